@@ -1,0 +1,75 @@
+"""Graph passes. `PIPELINE` is the one ordered list every compilation runs.
+
+Debug: set `RBCOMPILE_DUMP_PASS=<pass name>` (or `PassContext.dump_pass`) to write the graph
+before and after that pass to `RBCOMPILE_DUMP_DIR` (default: ./rbcompile-dump).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from torch.fx import GraphModule
+
+from .annotate_dependencies import annotate_dependencies
+from .annotate_flops import annotate_flops
+from .base import PassContext, PassResult, check_facts
+from .canonicalize import canonicalize
+from .discover_blocks import discover_blocks
+from .form_regions import form_regions
+from .mark_cache_reuse import mark_cache_reuse
+from .mark_prunable import mark_prunable
+from .mark_skeleton import mark_skeleton
+
+logger = logging.getLogger("rbcompile.passes")
+
+PIPELINE = [
+    canonicalize,
+    annotate_dependencies,
+    annotate_flops,
+    discover_blocks,
+    mark_skeleton,
+    mark_prunable,
+    mark_cache_reuse,
+    form_regions,
+]
+
+__all__ = ["PIPELINE", "PassContext", "PassResult", "run_pipeline"]
+
+
+def _dump(gm: GraphModule, ctx: PassContext, name: str, when: str) -> None:
+    folder = Path(ctx.dump_dir or os.environ.get("RBCOMPILE_DUMP_DIR", "rbcompile-dump"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.{when}.txt"
+    path.write_text(str(gm.graph))
+    logger.warning("dumped graph %s %s to %s", when, name, path)
+
+
+def run_pipeline(gm: GraphModule, ctx: PassContext, passes=PIPELINE) -> list[dict]:
+    """Run `passes` in order, checking each contract; returns (and records) the history."""
+    established: set[str] = set()
+    dump = ctx.dump_pass or os.environ.get("RBCOMPILE_DUMP_PASS")
+    known = {p.pass_name for p in passes}
+    if dump and dump not in known:
+        raise ValueError(f"unknown pass {dump!r} to dump; passes: {', '.join(sorted(known))}")
+    for graph_pass in passes:
+        name = graph_pass.pass_name
+        missing = [f for f in graph_pass.requires if f not in established]
+        if missing:
+            raise AssertionError(f"pass {name} requires {missing}, not established before it")
+        if dump == name:
+            _dump(gm, ctx, name, "before")
+        nodes_before = len(gm.graph.nodes)
+        start = time.perf_counter()
+        result = graph_pass(gm, ctx)
+        seconds = time.perf_counter() - start
+        check_facts(gm, ctx, graph_pass.ensures, f"pass {name}")
+        established.update(graph_pass.ensures)
+        if dump == name:
+            _dump(gm, ctx, name, "after")
+        logger.info("%s: %s (%.2fs)", name, result.summary, seconds)
+        ctx.history.append({"pass": name, "changed": result.changed, "summary": result.summary,
+                            "nodes_before": nodes_before, "nodes_after": len(gm.graph.nodes),
+                            "seconds": round(seconds, 3), "stats": result.stats})
+    return ctx.history

@@ -1,0 +1,154 @@
+"""The pass interface: every pass is a function `(gm, ctx) -> PassResult`.
+
+Like torch.fx's PassBase, a pass states what it *requires* (facts established by earlier passes)
+and what it *ensures*. A fact is either `meta:<key>` (every call_function node carries
+`node.meta[key]`) or `ctx:<attribute>` (the context attribute is set). The pipeline checks both.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+# node.meta keys written by the passes
+DEPS = "rb_deps"          # frozenset of {"data", "mask", "shape"}: what the value depends on
+FLOPS = "rb_flops"        # matmul-class FLOPs at the reference shape
+SHAPE = "rb_shape"        # concrete output shape at the reference shape (tensors only)
+BLOCK = "rb_block"        # index of the transformer block the node belongs to, or None
+KIND = "rb_kind"          # "skeleton" | "prunable" | "cache"
+UNIT = "rb_unit"          # prunable unit name, e.g. "layers.3.self_attn" (prunable nodes only)
+REGION = "rb_region"      # region id after partitioning
+
+KINDS = ("skeleton", "prunable", "cache")
+
+
+@dataclass
+class PassResult:
+    """What a pass did: `changed` says whether the graph or its marks changed."""
+    changed: bool
+    summary: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Branch:
+    """A residual branch inside a pre-LN block: stream_out = stream_in + f(stream_in)."""
+    name: str                # child module name, e.g. "self_attn" or "mlp"
+    kind: str                # "attention" | "mlp"
+    module_path: str
+    nodes: list[Node]
+    stream_in: Node
+    stream_out: Node         # the residual add
+
+
+@dataclass
+class Block:
+    """One repeated transformer block (a layer)."""
+    index: int
+    module_path: str
+    module_type: str
+    nodes: list[Node]
+    stream_in: Node
+    stream_out: Node
+    branches: list[Branch]   # empty when the block is not split into residual branches (post-LN)
+
+
+@dataclass
+class Unit:
+    """A prunable unit: a whole layer or one residual branch; skipping it is an identity."""
+    name: str
+    kind: str                # "layer" | "attention" | "mlp"
+    layer: int
+    module_path: str
+    nodes: list[Node]
+    stream_in: Node
+    stream_out: Node
+    width: dict[str, Any]    # width units inside: heads / channels and the parameters they live in
+
+
+@dataclass
+class PassContext:
+    """State shared by the passes of one compilation."""
+    family: str                              # "decoder" | "encoder"
+    config: Any                              # the transformers config
+    reference_inputs: dict[str, torch.Tensor]
+    input_names: tuple[str, ...]
+    blocks: list[Block] | None = None
+    units: list[Unit] | None = None
+    cache_candidates: dict[str, Any] | None = None
+    regions: list[dict[str, Any]] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    dump_pass: str | None = None             # dump the graph before/after this pass
+    dump_dir: str | None = None
+
+
+PassFn = Callable[[GraphModule, PassContext], PassResult]
+
+
+def graph_pass(*, requires: tuple[str, ...] = (), ensures: tuple[str, ...] = ()):
+    """Declare a pass's contract; the pipeline checks it before and after the pass runs."""
+    def wrap(fn: PassFn) -> PassFn:
+        fn.requires = requires
+        fn.ensures = ensures
+        fn.pass_name = fn.__module__.rsplit(".", 1)[-1]
+        return fn
+    return wrap
+
+
+# ---- node helpers shared by the passes --------------------------------------------------------
+
+_DYNAMO_PREFIXES = ("L['self'].", "L['args'][0].", "L['mod'].")
+
+
+def module_stack(node: Node) -> list[tuple[str, str]]:
+    """[(module path, module type name)] from outermost to innermost, dynamo prefixes stripped."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for path, type_ in stack.values():
+        for prefix in _DYNAMO_PREFIXES:
+            if path.startswith(prefix):
+                path = path[len(prefix):]
+        type_name = type_ if isinstance(type_, str) else getattr(type_, "__qualname__", str(type_))
+        out.append((path, type_name.rsplit(".", 1)[-1]))
+    return out
+
+
+def module_path(node: Node) -> str:
+    stack = module_stack(node)
+    return stack[-1][0] if stack else ""
+
+
+def is_scalar(node: Node) -> bool:
+    """True for nodes producing Python/symbolic scalars (shape arithmetic), not tensors."""
+    val = node.meta.get("val")
+    return isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def is_tensor(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def compute_nodes(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def is_add(node: Node) -> bool:
+    return node.op == "call_function" and node.target in (torch.ops.aten.add.Tensor, operator.add,
+                                                          torch.add)
+
+
+def check_facts(gm: GraphModule, ctx: PassContext, facts: tuple[str, ...], what: str) -> None:
+    for fact in facts:
+        kind, _, key = fact.partition(":")
+        if kind == "meta":
+            missing = [n.name for n in compute_nodes(gm) if key not in n.meta]
+            if missing:
+                raise AssertionError(f"{what}: node.meta[{key!r}] missing on {missing[:5]}")
+        elif kind == "ctx":
+            if getattr(ctx, key) is None:
+                raise AssertionError(f"{what}: ctx.{key} is not set")
+        else:
+            raise ValueError(f"bad fact {fact!r}")

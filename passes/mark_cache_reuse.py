@@ -1,0 +1,49 @@
+"""Mark cache-reuse nodes: skeleton tensors that depend only on input shapes, the attention mask
+and parameters (position ids, rotary cos/sin, expanded attention masks, token-type rows).
+
+Requires: `rb_kind`, `rb_deps`. Ensures `ctx:cache_candidates`; such nodes get
+`rb_kind = "cache"`. Codegen serves them from a cache keyed by the input sizes (and a digest of
+the attention mask when they read it). Content-keyed candidates that need the runtime (exact
+repeats of whole requests, prefix K/V per attention layer) are listed, not rewritten.
+"""
+from __future__ import annotations
+
+from torch.fx import GraphModule, Node
+
+from .base import DEPS, KIND, PassContext, PassResult, compute_nodes, graph_pass, is_tensor
+
+
+def _mutates_input(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.is_mutable)
+
+
+def _cacheable(node: Node) -> bool:
+    return (node.meta[KIND] == "skeleton" and is_tensor(node) and "data" not in node.meta[DEPS]
+            and not any(_mutates_input(user) for user in node.users))
+
+
+def _kv_parameters(ctx: PassContext) -> list[dict]:
+    out = []
+    for unit in ctx.units:
+        if unit.kind in ("attention", "layer") and ctx.family == "decoder":
+            params = [p for p in unit.width["parameters"]
+                      if any(key in p for key in ("k_proj", "v_proj", "c_attn", "key", "value"))]
+            out.append({"unit": unit.name, "parameters": params})
+    return out
+
+
+@graph_pass(requires=("meta:rb_kind", "meta:rb_deps"), ensures=("ctx:cache_candidates",))
+def mark_cache_reuse(gm: GraphModule, ctx: PassContext) -> PassResult:
+    marked = [n for n in compute_nodes(gm) if _cacheable(n)]
+    for node in marked:
+        node.meta[KIND] = "cache"
+    mask_keyed = sum(1 for n in marked if "mask" in n.meta[DEPS])
+    ctx.cache_candidates = {
+        "shape_keyed": {"nodes": len(marked), "mask_keyed_nodes": mask_keyed},
+        "exact_repeat": {"key": list(ctx.input_names), "scope": "whole request"},
+        "prefix_kv": _kv_parameters(ctx),
+    }
+    return PassResult(bool(marked), f"{len(marked)} nodes served from the shape-keyed cache "
+                      f"({mask_keyed} also keyed by the attention mask)",
+                      {"cache_nodes": len(marked), "mask_keyed_nodes": mask_keyed})

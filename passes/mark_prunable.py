@@ -1,0 +1,74 @@
+"""Mark prunable units: whole layers, or the attention and MLP residual branches of pre-LN layers.
+
+Requires: `ctx:blocks`, `rb_kind`. Ensures `ctx:units`; every block node gets
+`rb_kind = "prunable"` and `rb_unit`. Skipping a unit is an identity on the residual stream
+(stream_out := stream_in), which discover_blocks has checked: each unit reads the stream from
+outside and exports only its residual add. Width units (attention heads, MLP channels) are
+recorded with the parameters they live in, for elastic width.
+"""
+from __future__ import annotations
+
+from torch.fx import GraphModule, Node
+
+from .base import KIND, UNIT, PassContext, PassResult, Unit, compute_nodes, graph_pass
+
+
+def _attention_width(config) -> dict:
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    return {"heads": heads,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or hidden // heads}
+
+
+def _mlp_width(config) -> dict:
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    channels = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                or 4 * hidden)
+    return {"channels": channels}
+
+
+def _parameters(nodes: list[Node]) -> list[str]:
+    found = {}
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            if inp.op == "get_attr":
+                found[inp.target] = None
+    return list(found)
+
+
+def _width(kind: str, config, nodes: list[Node]) -> dict:
+    width = {}
+    if kind in ("attention", "layer"):
+        width.update(_attention_width(config))
+    if kind in ("mlp", "layer"):
+        width.update(_mlp_width(config))
+    width["parameters"] = _parameters(nodes)
+    return width
+
+
+@graph_pass(requires=("ctx:blocks", "meta:rb_kind"), ensures=("ctx:units",))
+def mark_prunable(gm: GraphModule, ctx: PassContext) -> PassResult:
+    units = []
+    for block in ctx.blocks:
+        if block.branches:
+            for branch in block.branches:
+                units.append(Unit(f"{block.module_path}.{branch.name}", branch.kind, block.index,
+                                  branch.module_path, branch.nodes, branch.stream_in,
+                                  branch.stream_out,
+                                  _width(branch.kind, ctx.config, branch.nodes)))
+        else:
+            units.append(Unit(block.module_path, "layer", block.index, block.module_path,
+                              block.nodes, block.stream_in, block.stream_out,
+                              _width("layer", ctx.config, block.nodes)))
+    for unit in units:
+        for node in unit.nodes:
+            node.meta[KIND] = "prunable"
+            node.meta[UNIT] = unit.name
+    leftover = [n.name for n in compute_nodes(gm) if n.meta[KIND] == "block"]
+    if leftover:
+        raise AssertionError(f"block nodes outside every unit: {leftover[:5]}")
+    kinds = sorted({u.kind for u in units})
+    ctx.units = units
+    return PassResult(True, f"{len(units)} prunable units ({', '.join(kinds)}) over "
+                      f"{len(ctx.blocks)} layers", {"units": len(units), "kinds": kinds})

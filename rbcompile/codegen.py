@@ -1,0 +1,165 @@
+"""Generate the runtime module's Python source from the IR (see ir.py).
+
+The generated class has one method per region and a `forward` that runs the skeleton regions
+always, serves cache-reuse regions from a shape-keyed cache, and runs each prunable region only
+when its gate is on (otherwise its output is the residual stream it reads: an identity).
+"""
+from __future__ import annotations
+
+from .ir import check_ir
+
+_INDENT = " " * 4
+
+
+def _arg(value, params: dict[str, str]) -> str:
+    if isinstance(value, dict):
+        (key, inner), = value.items()
+        if key == "node":
+            return f"self.{inner}" if inner in params else inner
+        if key == "tuple":
+            items = [_arg(v, params) for v in inner]
+            return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+        if key == "float":
+            return f"float({inner!r})"
+        if key == "dtype":
+            return f"torch.{inner}"
+        if key == "device":
+            return "self.device"
+        return f"torch.{inner}"  # layout, memory_format
+    if isinstance(value, list):
+        return "[" + ", ".join(_arg(v, params) for v in value) + "]"
+    return repr(value)
+
+
+def _call(op: str, args: list, kwargs: dict, params: dict[str, str]) -> str:
+    parts = [_arg(a, params) for a in args] + [f"{k}={_arg(v, params)}" for k, v in kwargs.items()]
+    return f"{op}({', '.join(parts)})"
+
+
+def _with_deletes(statements: list[tuple[str, list[str]]], keep: set[str], indent: str) -> list[str]:
+    """Lines for (code, names read) statements, deleting each name after its last read."""
+    last_read = {}
+    for index, (_, reads) in enumerate(statements):
+        for name in reads:
+            last_read[name] = index
+    lines = []
+    for index, (code, reads) in enumerate(statements):
+        lines.extend(indent + line for line in code.split("\n"))
+        if code.startswith("return"):
+            continue
+        dead = [n for n in dict.fromkeys(reads) if last_read[n] == index and n not in keep]
+        if dead:
+            lines.append(f"{indent}del {', '.join(dead)}")
+    return lines
+
+
+def _reads(value, params) -> list[str]:
+    if isinstance(value, dict):
+        (key, inner), = value.items()
+        if key == "node":
+            return [] if inner in params else [inner]
+        return _reads(inner, params) if key == "tuple" else []
+    if isinstance(value, list):
+        return [name for v in value for name in _reads(v, params)]
+    return []
+
+
+def _method_name(region: dict) -> str:
+    safe = "".join(c if c.isalnum() else "_" for c in region["name"]).strip("_")
+    return f"r{region['id']}_{safe}"[:60]
+
+
+def _tuple(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names)
+
+
+def _region_method(region: dict, nodes: list, params: dict[str, str]) -> list[str]:
+    header = (f"{_INDENT}# region {region['id']}: {region['kind']}"
+              f"{' (' + region['unit_kind'] + ')' if region['kind'] == 'prunable' else ''}"
+              f", {region['module_path']}, {region['flops_share']:.2%} of FLOPs")
+    lines = [header, f"{_INDENT}def {_method_name(region)}(self, {', '.join(region['inputs'])}):"]
+    statements = []
+    for name, op, args, kwargs, _ in nodes:
+        reads = _reads(args, params) + _reads(list(kwargs.values()), params)
+        statements.append((f"{name} = {_call(op, args, kwargs, params)}", reads))
+    statements.append((f"return {_tuple(region['outputs'])}", region["outputs"]))
+    lines += _with_deletes(statements, set(), _INDENT * 2)
+    return lines
+
+
+def _forward(ir: dict) -> list[str]:
+    statements = []
+    for region in ir["regions"]:
+        method, inputs, outputs = _method_name(region), region["inputs"], region["outputs"]
+        call = f"self.{method}({', '.join(inputs)})"
+        if region["kind"] == "cache":
+            args = ", ".join([str(region["id"]), f"self.{method}", *inputs])
+            code = f"{_tuple(outputs)}{',' if len(outputs) == 1 else ''} = self.region_cache.lookup({args})"
+        elif region["kind"] == "prunable":
+            (out, stream_in), = region["skip"].items()
+            code = (f"if gates[{region['gate']}]:\n{_INDENT}{out} = {call}\n"
+                    f"else:\n{_INDENT}{out} = {stream_in}")
+        else:
+            code = f"{_tuple(outputs)} = {call}"
+        statements.append((code, inputs))
+    results = [name for _, name in ir["outputs"]]
+    statements.append((f"return ({', '.join(results)},)", results))
+    inputs = ", ".join(ir["inputs"])
+    return ([f"{_INDENT}def forward(self, {inputs}, gates):",
+             f'{_INDENT * 2}"""Run the model; `gates[i]` turns prunable region i on (True) or off."""']
+            + _with_deletes(statements, set(), _INDENT * 2))
+
+
+def generate_source(ir: dict) -> str:
+    """Python source of the generated module for a validated IR."""
+    check_ir(ir)
+    params = ir["parameters"]
+    by_region: dict[int, list] = {}
+    for node in ir["nodes"]:
+        by_region.setdefault(node[4], []).append(node)
+    prunable = [r for r in ir["regions"] if r["kind"] == "prunable"]
+    table = "\n".join(f"  gate {r['gate']:>3} -> region {r['id']:>3} {r['unit_kind']:<9} "
+                      f"{r['name']} ({r['prunable_share']:.1%} of prunable FLOPs)"
+                      for r in prunable)
+    param_lines = "\n".join(f"        {name!r}: {key!r}," for name, key in params.items())
+    lines = [
+        f'"""Generated by rbcompile from {ir["title"]}.',
+        "",
+        "Do not edit: `rbcompile.load` regenerates this file from graph.json and refuses to run it",
+        "if the two differ.",
+        "",
+        f"Regions: {len(ir['regions'])}; gates (one per prunable region):",
+        table,
+        '"""',
+        "import operator",
+        "",
+        "import torch",
+        "",
+        "from rbcompile.runtime.region_cache import RegionCache",
+        "",
+        "aten = torch.ops.aten",
+        "prims = torch.ops.prims",
+        "",
+        "",
+        "class GeneratedModel(torch.nn.Module):",
+        f"    INPUTS = {tuple(ir['inputs'])!r}",
+        f"    OUTPUTS = {tuple(name for name, _ in ir['outputs'])!r}",
+        f"    NUM_GATES = {len(prunable)}",
+        "    # buffer name -> key in weights.safetensors",
+        "    PARAMETERS = {",
+        param_lines,
+        "    }",
+        "",
+        "    def __init__(self):",
+        "        super().__init__()",
+        "        self.region_cache = RegionCache()",
+        "",
+        "    @property",
+        "    def device(self):",
+        "        return next(iter(self._buffers.values())).device",
+        "",
+        *_forward(ir),
+    ]
+    for region in ir["regions"]:
+        lines += [""] + _region_method(region, by_region.get(region["id"], []), params)
+    return "\n".join(lines) + "\n"

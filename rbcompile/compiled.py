@@ -1,0 +1,255 @@
+"""`CompiledModel`: the generated module plus what it needs at run time; save and load."""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .codegen import generate_source
+from .compiler import attach_weights, instantiate
+from .errors import UserError
+from .ir import check_ir
+from .models import copy_tokenizer_files
+from .runtime.complexity import LengthRarityComplexity
+from .runtime.plans import check_budget, gates_for_budget, skipped_share
+
+SCHEMA_VERSION = 1
+MANIFEST, GRAPH, SOURCE, WEIGHTS, CONFIG = ("manifest.json", "graph.json", "model.py",
+                                            "weights.safetensors", "config.json")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class CompiledOutput(dict):
+    """Output tensors by name, plus how they were computed."""
+
+    def __init__(self, tensors: dict, *, path: str, gates: list[bool], skipped_flops: float,
+                 complexity: list[float] | None):
+        super().__init__(tensors)
+        self.path = path                    # "full" | "light" | "gates"
+        self.gates = gates
+        self.skipped_flops = skipped_flops  # fraction of prunable FLOPs skipped
+        self.complexity = complexity
+
+
+class CompiledModel:
+    """A compiled model. Call it like the original (`input_ids`, `attention_mask`) with
+    `budget` (fraction of prunable FLOPs to skip) or explicit `gates`.
+
+    With a budget, inputs whose complexity score (see runtime/complexity.py) is below
+    `complexity_threshold` take the light path of that budget and the rest the full path;
+    with `complexity_threshold=None` the budget applies to every input.
+    """
+
+    def __init__(self, module: torch.nn.Module, ir: dict, source: str, manifest: dict, *,
+                 tokenizer_dir: Path | None, hf_config: dict):
+        self.module = module
+        self.ir = ir
+        self.source = source
+        self.manifest = manifest
+        self.tokenizer_dir = tokenizer_dir
+        self.hf_config = hf_config
+        self.regions = ir["regions"]
+        self.output_names = [name for name, _ in ir["outputs"]]
+        arch = manifest["architecture"]
+        self.family = arch["family"]
+        self.vocab_size = arch["vocab_size"]
+        self.max_positions = arch["max_positions"]
+        self.num_gates = module.NUM_GATES
+        self.complexity = LengthRarityComplexity(self.vocab_size)
+        self.complexity_threshold: float | None = None
+        self._tokenizer = None
+
+    # ---- running --------------------------------------------------------------------------
+
+    def _check_inputs(self, input_ids, attention_mask):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise UserError("input_ids must be a 2-D tensor [batch, sequence]")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise UserError(f"input_ids must be integer, got {input_ids.dtype}")
+        batch, seq = input_ids.shape
+        if batch == 0 or seq == 0:
+            raise UserError(f"empty input: input_ids has shape {tuple(input_ids.shape)}")
+        if seq > self.max_positions:
+            raise UserError(f"sequence of {seq} tokens exceeds the model's "
+                            f"{self.max_positions} positions")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size:
+            raise UserError(f"token ids must be in [0, {self.vocab_size})")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.long)
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise UserError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
+        return input_ids.long(), attention_mask.long()
+
+    def choose_gates(self, input_ids, attention_mask, budget=None, gates=None):
+        """(gates, path, complexity) for a batch."""
+        if gates is not None:
+            gates = [bool(g) for g in (gates.tolist() if isinstance(gates, torch.Tensor) else gates)]
+            if len(gates) != self.num_gates:
+                raise UserError(f"expected {self.num_gates} gates, got {len(gates)}")
+            return gates, "gates", None
+        full = [True] * self.num_gates
+        if budget is None:
+            return full, "full", None
+        budget = check_budget(budget)
+        if self.complexity_threshold is None:
+            return gates_for_budget(self.regions, budget), "light", None
+        scores = self.complexity(input_ids, attention_mask).tolist()
+        if max(scores) < self.complexity_threshold:
+            return gates_for_budget(self.regions, budget), "light", scores
+        return full, "full", scores
+
+    @torch.no_grad()
+    def __call__(self, input_ids, attention_mask=None, *, budget=None, gates=None) -> CompiledOutput:
+        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
+        gates, path, scores = self.choose_gates(input_ids, attention_mask, budget, gates)
+        outputs = self.module(input_ids, attention_mask, gates)
+        return CompiledOutput(dict(zip(self.output_names, outputs)), path=path, gates=gates,
+                              skipped_flops=skipped_share(self.regions, gates), complexity=scores)
+
+    def gates_for_budget(self, budget: float) -> list[bool]:
+        return gates_for_budget(self.regions, budget)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            if self.tokenizer_dir is None:
+                raise UserError("this compiled model has no tokenizer (compiled from a module)")
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir,
+                                                            trust_remote_code=False)
+        return self._tokenizer
+
+    # ---- artifact ---------------------------------------------------------------------------
+
+    def save(self, out_dir) -> Path:
+        """Write the artifact folder atomically (temporary folder, then rename)."""
+        from safetensors.torch import save_file
+
+        out_dir = Path(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        try:
+            graph_bytes = json.dumps(self.ir, indent=1).encode()
+            (tmp / GRAPH).write_bytes(graph_bytes)
+            (tmp / SOURCE).write_text(self.source)
+            tensors, aliases = {}, {}
+            seen: dict[tuple, str] = {}
+            for name, key in self.module.PARAMETERS.items():
+                tensor = getattr(self.module, name)
+                identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                            tuple(tensor.shape), tuple(tensor.stride()))
+                if identity in seen:
+                    aliases[key] = seen[identity]
+                else:
+                    seen[identity] = key
+                    tensors[key] = tensor.detach().contiguous().cpu()
+            save_file(tensors, str(tmp / WEIGHTS))
+            (tmp / CONFIG).write_text(json.dumps(self.hf_config, indent=1, default=str))
+            tokenizer_files = (copy_tokenizer_files(self.tokenizer_dir, tmp)
+                               if self.tokenizer_dir else [])
+            manifest = {
+                "schema_version": SCHEMA_VERSION,
+                "rbcompile_version": __version__,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                **{k: v for k, v in self.manifest.items() if k not in ("schema_version", "files",
+                                                                       "regions", "created",
+                                                                       "rbcompile_version")},
+                "regions": [{k: r[k] for k in r if k not in ("inputs", "outputs", "skip")}
+                            for r in self.regions],
+                "files": {"graph": GRAPH, "graph_sha256": _sha256(graph_bytes),
+                          "source": SOURCE, "source_sha256": _sha256(self.source.encode()),
+                          "weights": WEIGHTS, "weight_aliases": aliases,
+                          "config": CONFIG, "tokenizer": tokenizer_files},
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            if out_dir.exists():
+                if not (out_dir / MANIFEST).is_file():
+                    raise UserError(f"{out_dir} exists and is not an rbcompile artifact; "
+                                    "refusing to replace it")
+                old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+                os.replace(out_dir, old / "artifact")
+                os.replace(tmp, out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.manifest = manifest
+        self.tokenizer_dir = out_dir if tokenizer_files else None
+        return out_dir
+
+
+def read_manifest(path: Path) -> dict:
+    if not path.is_dir():
+        raise UserError(f"no such artifact folder: {path}")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing {MANIFEST} (not an rbcompile artifact)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path / MANIFEST}: corrupt JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{path / MANIFEST}: unsupported schema version "
+                        f"{manifest.get('schema_version') if isinstance(manifest, dict) else None!r}"
+                        f" (this rbcompile reads {SCHEMA_VERSION})")
+    return manifest
+
+
+def load(path) -> CompiledModel:
+    """Load an artifact. The module is regenerated from graph.json (checked against an op
+    allow-list) and must match the stored model.py; weights come from safetensors only."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    files = manifest.get("files", {})
+    try:
+        graph_bytes = (path / GRAPH).read_bytes()
+        stored_source = (path / SOURCE).read_text()
+    except (FileNotFoundError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read artifact file ({exc.__class__.__name__}: "
+                        f"{getattr(exc, 'filename', None) or exc})") from None
+    if _sha256(graph_bytes) != files.get("graph_sha256"):
+        raise UserError(f"{path / GRAPH}: sha256 does not match the manifest (corrupt or edited)")
+    try:
+        ir = json.loads(graph_bytes)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path / GRAPH}: corrupt JSON ({exc})") from None
+    if not isinstance(ir, dict):
+        raise UserError(f"{path / GRAPH}: expected a JSON object")
+    check_ir(ir)
+    source = generate_source(ir)
+    if _sha256(source.encode()) != files.get("source_sha256") or source != stored_source:
+        raise UserError(f"{path / SOURCE}: does not match the code regenerated from {GRAPH} "
+                        "(edited, or written by another rbcompile version)")
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing {WEIGHTS}") from None
+    except Exception as exc:
+        raise UserError(f"corrupt safetensors file {path / WEIGHTS}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    for alias, key in files.get("weight_aliases", {}).items():
+        if key not in tensors:
+            raise UserError(f"{path / WEIGHTS}: alias target {key!r} missing")
+        tensors[alias] = tensors[key]
+    module = instantiate(source, str(path))
+    attach_weights(module, tensors)
+    try:
+        hf_config = json.loads((path / CONFIG).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        hf_config = {}
+    tokenizer_dir = path if files.get("tokenizer") else None
+    return CompiledModel(module, ir, source, manifest, tokenizer_dir=tokenizer_dir,
+                         hf_config=hf_config)

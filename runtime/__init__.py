@@ -1,0 +1,1 @@
+"""The runtime that drives compiled modules: caches, complexity estimation and budget plans."""
