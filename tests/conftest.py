@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random checkpoints (made with save_pretrained) and compiled models."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any `import triton`
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+TINY_VOCAB = 96
+
+
+def tiny_config(arch: str):
+    from transformers import BertConfig, GPT2Config, LlamaConfig
+
+    if arch == "llama":  # GQA: 4 query heads share 2 KV heads
+        return LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=0)
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=TINY_VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                          bos_token_id=1, eos_token_id=2)
+    if arch == "bert":
+        return BertConfig(vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=4,
+                          num_attention_heads=4, intermediate_size=48, max_position_embeddings=64)
+    raise ValueError(arch)
+
+
+def make_tiny_model(arch: str):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    auto = AutoModel if arch == "bert" else AutoModelForCausalLM
+    return auto.from_config(tiny_config(arch)).eval()
+
+
+ARCHS = ("llama", "gpt2", "bert")
+WORDS = ("the a of and to in is was it that he she for on with as his her at by this had not "
+         "but from be they have one all were which an or are there we so when what who no "
+         "been more if out up would into has some time only very than its two first new after "
+         "most also any many may then these great could other such made being where well").split()
+
+
+def save_tiny_tokenizer(folder) -> None:
+    """A word-level tokenizer over TINY_VOCAB ids, so the CLI can run the tiny models on text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"]
+    vocab = {w: i for i, w in enumerate(specials + list(WORDS[: TINY_VOCAB - len(specials)]))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", bos_token="[BOS]",
+                            eos_token="[EOS]", unk_token="[UNK]").save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """arch -> folder with config.json + model.safetensors of a tiny random model."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {}
+    for arch in ARCHS:
+        paths[arch] = root / arch
+        make_tiny_model(arch).save_pretrained(paths[arch])
+        save_tiny_tokenizer(paths[arch])
+    return paths
+
+
+@pytest.fixture(scope="session")
+def compiled_tiny(tiny_checkpoints):
+    """arch -> (CompiledModel, eager transformers model) for the tiny checkpoints."""
+    import rbcompile
+    from rbcompile.models import load_hf_model
+
+    return {arch: (rbcompile.compile(path), load_hf_model(path))
+            for arch, path in tiny_checkpoints.items()}
+
+
+def random_batch(batch: int, seq: int, vocab: int = TINY_VOCAB, pad_row: bool = True, seed: int = 0):
+    """Token ids and a mask; the last row is left-padded when pad_row and batch > 1."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (batch, seq), generator=generator)
+    attention_mask = torch.ones(batch, seq, dtype=torch.long)
+    if pad_row and batch > 1:
+        attention_mask[-1, : seq // 3] = 0
+    return input_ids, attention_mask
+
+
+def eager_outputs(model, input_ids, attention_mask) -> dict:
+    kwargs = {"use_cache": False} if model.config.model_type != "bert" else {}
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def max_diff(compiled_out: dict, reference: dict) -> float:
+    assert set(compiled_out) == set(reference), (set(compiled_out), set(reference))
+    return max((compiled_out[k] - reference[k]).abs().max().item() for k in reference)
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """(CompiledModel, eager model, tokenizer) for the real all-MiniLM-L6-v2 weights."""
+    import rbcompile
+    from rbcompile.models import load_hf_model, resolve_checkpoint
+    from transformers import AutoTokenizer
+
+    path = resolve_checkpoint("minilm-l6")
+    return rbcompile.compile("minilm-l6"), load_hf_model(path), AutoTokenizer.from_pretrained(path)
