@@ -1,15 +1,16 @@
 """Budget -> gates. `budget` in [0, 1] is the fraction of prunable FLOPs to skip.
 
-This is the fixed skip order used before calibration exists: layers are skipped from the
-second-to-last towards the second (first and last layers always run: they matter most in every
-layer-drop study), attention branches of a layer before its MLP branch (attention in deep layers
-is the most redundant, "What Matters in Transformers? Not All Attention is Needed", He et al. 2024).
+This is the fixed skip order used until calibration measures importance: whole layers, outward
+from 60% of the depth (attention branch of a layer before its MLP branch); the first and last
+layers always run. Chosen by measurement on smollm2-135m (Emma, 2 x 512 tokens, perplexity 30.1
+in full): at budget 0.1 this order gives 37.7, skipping attention branches from the back first
+2286, whole layers from the back 5303 (script in the closing note of the compile-pipeline issue).
 """
 from __future__ import annotations
 
 import math
 
-_KIND_ORDER = {"attention": 0, "mlp": 1, "layer": 0}
+CENTRE = 0.6  # relative depth from which layers are skipped outward
 
 
 def skip_order(regions: list[dict]) -> list[dict]:
@@ -18,8 +19,10 @@ def skip_order(regions: list[dict]) -> list[dict]:
     layers = sorted({r["layer"] for r in prunable})
     if len(layers) <= 2:
         return []
+    centre = layers[0] + CENTRE * (layers[-1] - layers[0])
     eligible = [r for r in prunable if r["layer"] not in (layers[0], layers[-1])]
-    return sorted(eligible, key=lambda r: (_KIND_ORDER[r["unit_kind"]], -r["layer"]))
+    return sorted(eligible, key=lambda r: (abs(r["layer"] - centre), r["layer"],
+                                           r["unit_kind"] == "mlp"))
 
 
 def check_budget(budget) -> float:

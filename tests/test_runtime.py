@@ -33,11 +33,12 @@ def test_plan_stays_within_budget_and_keeps_first_and_last_layer(split, budget):
         assert all(gates)
 
 
-def test_plans_grow_monotonically_and_attention_goes_first():
-    regions = _regions()
+def test_plans_grow_monotonically_from_the_middle_layers_outward():
+    regions = _regions()  # 6 layers: skipping starts at 60% depth (layer 3)
     order = skip_order(regions)
-    assert [r["unit_kind"] for r in order[:4]] == ["attention"] * 4
-    assert [r["layer"] for r in order[:4]] == [4, 3, 2, 1]
+    assert [(r["layer"], r["unit_kind"]) for r in order[:4]] == [
+        (3, "attention"), (3, "mlp"), (2, "attention"), (2, "mlp")]
+    assert {r["layer"] for r in order} == {1, 2, 3, 4}
     previous = set()
     for budget in (0.05, 0.1, 0.2, 0.3, 0.5):
         off = {i for i, g in enumerate(gates_for_budget(regions, budget)) if not g}

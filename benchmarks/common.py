@@ -1,0 +1,67 @@
+"""Shared benchmark helpers: pinned threads, interleaved timing, medians, tables, JSON."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DATA = Path(__file__).parent / "data"
+RESULTS = Path(__file__).parent / "results"
+
+
+def pin_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def text_windows(tokenizer, batch: int, seq: int, file: str = "emma-excerpt.txt"):
+    """`batch` consecutive windows of `seq` real tokens from a committed public-domain text."""
+    ids = tokenizer((DATA / file).read_text(), return_tensors="pt")["input_ids"][0]
+    needed = batch * seq
+    if ids.numel() < needed:
+        raise SystemExit(f"{file} has {ids.numel()} tokens, need {needed}")
+    input_ids = ids[:needed].view(batch, seq)
+    return input_ids, torch.ones_like(input_ids)
+
+
+def interleaved_medians(contenders: dict, rounds: int, warmup: int = 2) -> dict[str, dict]:
+    """Time each contender once per round, in turn, so drift hits all alike; median per name."""
+    samples = {name: [] for name in contenders}
+    for round_index in range(warmup + rounds):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
+            if round_index >= warmup:
+                samples[name].append(elapsed)
+        print(f"  round {round_index + 1}/{warmup + rounds}", end="\r", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return {name: {"median_ms": 1e3 * statistics.median(times),
+                   "min_ms": 1e3 * min(times), "max_ms": 1e3 * max(times), "rounds": len(times)}
+            for name, times in samples.items()}
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    """columns: (key, header). Values are printed as given (format them before)."""
+    cells = [[h for _, h in columns]] + [[str(r.get(k, "")) for k, _ in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for i, row in enumerate(cells):
+        print("  ".join(c.rjust(w) if i and j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
+                           "torch": torch.__version__, "threads": torch.get_num_threads()},
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
+    path.write_text(json.dumps(payload, indent=1))
+    return path
