@@ -61,14 +61,15 @@ def _cmd_compile(args) -> None:
     import logging
 
     import rbcompile
-    from .progress import say
+    from .progress import say, step
 
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="  %(message)s")
     model = rbcompile.compile(args.model, dump_pass=args.dump_pass)
     for entry in model.manifest["passes"]:
         say(f"  pass {entry['pass']}: {entry['summary']}")
-    out = model.save(args.output)
+    with step(f"writing artifact {args.output}"):
+        out = model.save(args.output)
     counts = {}
     for region in model.regions:
         counts[region["kind"]] = counts.get(region["kind"], 0) + 1
@@ -86,10 +87,11 @@ def _region_rows(regions, skipped: set[int]):
 
 
 def _cmd_inspect(args) -> None:
+    from pathlib import Path
+
     from .compiled import read_manifest
     from .runtime.plans import gates_for_budget, skipped_share
 
-    from pathlib import Path
     manifest = read_manifest(Path(args.artifact))
     regions = manifest["regions"]
     skipped = None
