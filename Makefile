@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(VENV)/bin/rbcompile compile smollm2-135m -o build/smollm2-135m
-	$(VENV)/bin/rbcompile inspect build/smollm2-135m --budget 0.25
+	$(VENV)/bin/rbcompile inspect build/smollm2-135m --budget 0.1
 	$(VENV)/bin/rbcompile run build/smollm2-135m --text "The capital of France is" --max-new-tokens 8
 	$(VENV)/bin/rbcompile run build/smollm2-135m --text "The capital of France is" --max-new-tokens 8 --budget 0.1
 

@@ -4,7 +4,8 @@ This is the fixed skip order used until calibration measures importance: whole l
 from 60% of the depth (attention branch of a layer before its MLP branch); the first and last
 layers always run. Chosen by measurement on smollm2-135m (Emma, 2 x 512 tokens, perplexity 30.1
 in full): at budget 0.1 this order gives 37.7, skipping attention branches from the back first
-2286, whole layers from the back 5303 (script in the closing note of the compile-pipeline issue).
+2286, whole layers from the back 5303 (snippet in the closing note of the compile-pipeline
+issue).
 """
 from __future__ import annotations
 
