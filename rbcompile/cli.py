@@ -32,6 +32,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="compile a bundled model name or a checkpoint folder")
     p.add_argument("model", help="bundled name (see `rbcompile models`) or checkpoint folder")
     p.add_argument("-o", "--output", required=True, help="artifact folder to write")
+    p.add_argument("--calib", metavar="SOURCE",
+                   help="calibrate on a text file, a JSONL of texts, or 'default' (bundled text)")
+    p.add_argument("--calib-samples", type=int, default=None,
+                   help="calibration samples (decoders: windows; encoders: paragraphs)")
+    p.add_argument("--calib-seq", type=int, default=None, help="tokens per calibration sample")
     p.add_argument("--dump-pass", help="write the graph before/after this pass to ./rbcompile-dump")
     p.add_argument("-v", "--verbose", action="store_true", help="log every pass")
 
@@ -65,7 +70,8 @@ def _cmd_compile(args) -> None:
 
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="  %(message)s")
-    model = rbcompile.compile(args.model, dump_pass=args.dump_pass)
+    model = rbcompile.compile(args.model, dump_pass=args.dump_pass, calib=args.calib,
+                              calib_samples=args.calib_samples, calib_seq=args.calib_seq)
     for entry in model.manifest["passes"]:
         say(f"  pass {entry['pass']}: {entry['summary']}")
     with step(f"writing artifact {args.output}"):
@@ -96,7 +102,7 @@ def _cmd_inspect(args) -> None:
     regions = manifest["regions"]
     skipped = None
     if args.budget is not None:
-        gates = gates_for_budget(regions, args.budget)
+        gates = gates_for_budget(regions, args.budget, manifest.get("plans"))
         skipped = {r["id"] for r in regions if r["kind"] == "prunable" and not gates[r["gate"]]}
     if args.json:
         payload = {"source": manifest["source"], "architecture": manifest["architecture"],

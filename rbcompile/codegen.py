@@ -64,7 +64,7 @@ def _reads(value, params) -> list[str]:
     return []
 
 
-def _method_name(region: dict) -> str:
+def method_name(region: dict) -> str:
     safe = "".join(c if c.isalnum() else "_" for c in region["name"]).strip("_")
     return f"r{region['id']}_{safe}"[:60]
 
@@ -77,7 +77,7 @@ def _region_method(region: dict, nodes: list, params: dict[str, str]) -> list[st
     header = (f"{_INDENT}# region {region['id']}: {region['kind']}"
               f"{' (' + region['unit_kind'] + ')' if region['kind'] == 'prunable' else ''}"
               f", {region['module_path']}, {region['flops_share']:.2%} of FLOPs")
-    lines = [header, f"{_INDENT}def {_method_name(region)}(self, {', '.join(region['inputs'])}):"]
+    lines = [header, f"{_INDENT}def {method_name(region)}(self, {', '.join(region['inputs'])}):"]
     statements = []
     for name, op, args, kwargs, _ in nodes:
         reads = _reads(args, params) + _reads(list(kwargs.values()), params)
@@ -90,7 +90,7 @@ def _region_method(region: dict, nodes: list, params: dict[str, str]) -> list[st
 def _forward(ir: dict) -> list[str]:
     statements = []
     for region in ir["regions"]:
-        method, inputs, outputs = _method_name(region), region["inputs"], region["outputs"]
+        method, inputs, outputs = method_name(region), region["inputs"], region["outputs"]
         call = f"self.{method}({', '.join(inputs)})"
         if region["kind"] == "cache":
             args = ", ".join([str(region["id"]), f"self.{method}", *inputs])

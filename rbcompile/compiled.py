@@ -67,6 +67,7 @@ class CompiledModel:
         self.num_gates = module.NUM_GATES
         self.complexity = LengthRarityComplexity(self.vocab_size)
         self.complexity_threshold: float | None = None
+        self.plans: list[dict] | None = manifest.get("plans")
         self._tokenizer = None
 
     # ---- running --------------------------------------------------------------------------
@@ -102,10 +103,10 @@ class CompiledModel:
             return full, "full", None
         budget = check_budget(budget)
         if self.complexity_threshold is None:
-            return gates_for_budget(self.regions, budget), "light", None
+            return gates_for_budget(self.regions, budget, self.plans), "light", None
         scores = self.complexity(input_ids, attention_mask).tolist()
         if max(scores) < self.complexity_threshold:
-            return gates_for_budget(self.regions, budget), "light", scores
+            return gates_for_budget(self.regions, budget, self.plans), "light", scores
         return full, "full", scores
 
     @torch.no_grad()
@@ -117,7 +118,7 @@ class CompiledModel:
                               skipped_flops=skipped_share(self.regions, gates), complexity=scores)
 
     def gates_for_budget(self, budget: float) -> list[bool]:
-        return gates_for_budget(self.regions, budget)
+        return gates_for_budget(self.regions, budget, self.plans)
 
     @property
     def tokenizer(self):

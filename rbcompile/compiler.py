@@ -55,8 +55,37 @@ def _state_sha256(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def compile_model(model_or_path, *, dump_pass: str | None = None):
-    """Compile a bundled model name, a checkpoint folder or a loaded transformers model."""
+CALIBRATION_DEFAULTS = {"decoder": {"samples": 8, "seq": 256, "batch": 4},
+                        "encoder": {"samples": 256, "seq": 128, "batch": 32}}
+
+
+def calibrate_model(compiled, source, samples: int | None = None, seq: int | None = None) -> None:
+    """Measure importance and choose verified plans; both go into the manifest."""
+    from .calibrate import build_plans, measure_importance
+    from .calibration_data import load_texts, make_batches
+
+    defaults = CALIBRATION_DEFAULTS[compiled.family]
+    samples, seq = samples or defaults["samples"], seq or defaults["seq"]
+    if samples < 2 or seq < 2:
+        raise UserError("--calib-samples and --calib-seq must be >= 2")
+    seq = min(seq, compiled.max_positions)
+    texts = load_texts(source)
+    batches = make_batches(compiled.tokenizer, texts, compiled.family, seq_len=seq,
+                           samples=samples, batch_size=defaults["batch"])
+    with step(f"calibrating on {source}: {sum(len(b[0]) for b in batches.calibration)} samples "
+              f"x <= {seq} tokens, {sum(len(b[0]) for b in batches.heldout)} held out"):
+        importance = measure_importance(compiled, batches)
+    with step("choosing and verifying plans on held-out text"):
+        plans = build_plans(compiled, importance, batches)
+    compiled.manifest["calibration"] = {"source": str(source), "samples": samples, "seq": seq,
+                                        **importance}
+    compiled.manifest["plans"] = compiled.plans = plans
+
+
+def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
+                  calib_samples: int | None = None, calib_seq: int | None = None):
+    """Compile a bundled model name, a checkpoint folder or a loaded transformers model;
+    with `calib` (a text source), also calibrate importance and budget plans."""
     from .compiled import CompiledModel
 
     if isinstance(model_or_path, torch.nn.Module):
@@ -87,5 +116,8 @@ def compile_model(model_or_path, *, dump_pass: str | None = None):
     attach_weights(module, {key: operator.attrgetter(key)(gm) for key in ir["parameters"].values()})
     manifest = {"source": source, "architecture": arch, "passes": ctx.history,
                 "cache_candidates": ctx.cache_candidates}
-    return CompiledModel(module, ir, source_code, manifest,
-                         tokenizer_dir=checkpoint, hf_config=model.config.to_dict())
+    compiled = CompiledModel(module, ir, source_code, manifest,
+                             tokenizer_dir=checkpoint, hf_config=model.config.to_dict())
+    if calib is not None:
+        calibrate_model(compiled, calib, calib_samples, calib_seq)
+    return compiled

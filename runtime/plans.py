@@ -36,10 +36,16 @@ def check_budget(budget) -> float:
     return value
 
 
-def gates_for_budget(regions: list[dict], budget: float) -> list[bool]:
-    """Gates that skip regions in `skip_order` while skipped FLOPs stay <= budget."""
+def gates_for_budget(regions: list[dict], budget: float, plans: list[dict] | None = None) -> list[bool]:
+    """Gates for a budget: the calibrated plan with the largest budget <= `budget` when plans
+    exist, otherwise regions skipped in `skip_order` while skipped FLOPs stay <= budget."""
     budget = check_budget(budget)
     gates = [True] * sum(1 for r in regions if r["kind"] == "prunable")
+    if plans:
+        plan = max((p for p in plans if p["budget"] <= budget + 1e-9), key=lambda p: p["budget"])
+        for gate in plan["skip_gates"]:
+            gates[gate] = False
+        return gates
     skipped = 0.0
     for region in skip_order(regions):
         if skipped + region["prunable_share"] <= budget + 1e-9:

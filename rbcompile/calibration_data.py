@@ -1,0 +1,96 @@
+"""Calibration text: where it comes from and how it becomes token batches.
+
+A source is a UTF-8 text file, a JSONL file (one JSON string, or an object with a "text" field,
+per line), or "default" (the bundled Emma excerpt in rbcompile/data). Truncation is documented:
+decoders read the texts as one token stream cut into windows of `seq_len` tokens; encoders read
+each paragraph (texts split at blank lines) as one sequence, truncated to `seq_len` tokens.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+DEFAULT_SOURCE = "default"
+DEFAULT_CORPUS = Path(__file__).parent / "data" / "calibration-emma.txt"
+
+
+def load_texts(source: str | Path) -> list[str]:
+    """The texts of a calibration source (see module docstring)."""
+    path = DEFAULT_CORPUS if str(source) == DEFAULT_SOURCE else Path(source)
+    if not path.is_file():
+        raise UserError(f"calibration source not found: {source}")
+    try:
+        raw = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"calibration source {path} is not UTF-8 text (byte {exc.start})") from None
+    if path.suffix == ".jsonl":
+        texts = []
+        for number, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            text = item.get("text") if isinstance(item, dict) else item
+            if not isinstance(text, str):
+                raise UserError(f'{path}:{number}: expected a string or an object with "text"')
+            texts.append(text)
+    else:
+        texts = [raw]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise UserError(f"calibration source {path} has no text")
+    return texts
+
+
+@dataclass
+class Batches:
+    """Token batches for calibration and for held-out verification."""
+    calibration: list[tuple[torch.Tensor, torch.Tensor]]
+    heldout: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _batched(ids: torch.Tensor, mask: torch.Tensor, batch_size: int):
+    return [(ids[i:i + batch_size], mask[i:i + batch_size]) for i in range(0, len(ids), batch_size)]
+
+
+def decoder_windows(tokenizer, texts: list[str], seq_len: int, windows: int) -> torch.Tensor:
+    """[n, seq_len] consecutive token windows of the texts joined by EOS; n <= windows."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream: list[int] = []
+    for text in texts:
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + eos
+        if len(stream) >= seq_len * windows:
+            break
+    count = min(windows, len(stream) // seq_len)
+    if count == 0:
+        raise UserError(f"calibration text has {len(stream)} tokens, fewer than one window of "
+                        f"{seq_len}")
+    return torch.tensor(stream[: count * seq_len]).view(count, seq_len)
+
+
+def make_batches(tokenizer, texts: list[str], family: str, *, seq_len: int, samples: int,
+                 batch_size: int, heldout_fraction: float = 0.25) -> Batches:
+    """Split the source into calibration and held-out batches (held-out = the last samples)."""
+    if family == "decoder":
+        ids = decoder_windows(tokenizer, texts, seq_len, samples)
+        mask = torch.ones_like(ids)
+    else:
+        sentences = [" ".join(p.split()) for text in texts for p in re.split(r"\n\s*\n", text)
+                     if p.strip()][:samples]
+        enc = tokenizer(sentences, return_tensors="pt", padding=True, truncation=True,
+                        max_length=seq_len)
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+    if len(ids) < 2:
+        raise UserError("calibration source gives fewer than 2 samples; give more text")
+    heldout = max(1, int(round(len(ids) * heldout_fraction)))
+    split = len(ids) - heldout
+    return Batches(_batched(ids[:split], mask[:split], batch_size),
+                   _batched(ids[split:], mask[split:], batch_size))

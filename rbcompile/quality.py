@@ -1,0 +1,49 @@
+"""Quality of a (possibly light) forward against the full path, one definition for every tool.
+
+Decoders: next-token cross-entropy on the real tokens (lower is better; perplexity = exp) and
+top-1 agreement with the full path. Encoders: cosine of mean-pooled embeddings to the full path;
+the calibration loss is 1 - cosine.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp(min=1), dim=-1)
+
+
+def reference(family: str, outputs: dict, mask: torch.Tensor) -> torch.Tensor:
+    """What later calls compare against: full-path top-1 tokens or pooled embeddings."""
+    if family == "decoder":
+        return outputs["logits"].argmax(-1)
+    return mean_pool(outputs["last_hidden_state"], mask)
+
+
+def measure(family: str, outputs: dict, input_ids: torch.Tensor, mask: torch.Tensor,
+            full_reference: torch.Tensor) -> dict:
+    """Sums (not means) so batches can be added up: see `summarise`."""
+    if family == "decoder":
+        logits = outputs["logits"][:, :-1]
+        targets = input_ids[:, 1:]
+        weight = (mask[:, 1:] * mask[:, :-1]).bool()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction="none").view_as(targets)
+        agree = outputs["logits"].argmax(-1) == full_reference
+        return {"loss_sum": loss[weight].sum().item(), "count": int(weight.sum()),
+                "agree_sum": agree[mask.bool()].sum().item(), "agree_count": int(mask.sum())}
+    cosine = (mean_pool(outputs["last_hidden_state"], mask) * full_reference).sum(-1)
+    return {"loss_sum": (1 - cosine).sum().item(), "count": len(cosine),
+            "agree_sum": cosine.sum().item(), "agree_count": len(cosine)}
+
+
+def summarise(family: str, parts: list[dict]) -> dict:
+    total = {k: sum(p[k] for p in parts) for k in parts[0]}
+    loss = total["loss_sum"] / total["count"]
+    agreement = total["agree_sum"] / total["agree_count"]
+    if family == "decoder":
+        return {"loss": loss, "perplexity": float(torch.tensor(loss).exp()),
+                "top1_agreement": agreement}
+    return {"loss": loss, "cosine": agreement}
