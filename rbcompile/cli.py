@@ -53,6 +53,19 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="inputs scoring below it take the light path, the rest the full path")
     p.add_argument("--max-new-tokens", type=int, default=20, help="decoders: tokens to generate")
 
+    p = sub.add_parser("curve", help="quality vs measured speedup of every calibrated plan")
+    p.add_argument("artifact")
+    p.add_argument("--data", help="held-out text file or JSONL (default: bundled Tempest excerpt)")
+    p.add_argument("--classifier", help="linear head (safetensors: weight, bias) over pooled "
+                   "embeddings; with labelled JSONL data, accuracy is measured")
+    p.add_argument("--samples", type=int, help="decoders: windows (default 4); encoders: texts "
+                   "(default 1000)")
+    p.add_argument("--seq", type=int, help="tokens per sample (default 512 / 128)")
+    p.add_argument("--batch", type=int, help="batch size (default 1 / 16)")
+    p.add_argument("--rounds", type=int, default=3, help="latency rounds (median)")
+    p.add_argument("-o", "--output", help="folder for curve.json and curve.png "
+                   "(default: ARTIFACT-curve)")
+
     sub.add_parser("models", help="list the bundled model names")
     return parser
 
@@ -171,6 +184,40 @@ def _cmd_run(args) -> None:
     print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs")
 
 
+CURVE_DEFAULTS = {"decoder": {"samples": 4, "seq": 512, "batch": 1},
+                  "encoder": {"samples": 1000, "seq": 128, "batch": 16}}
+
+
+def _cmd_curve(args) -> None:
+    from pathlib import Path
+
+    import rbcompile
+    from .curve import format_table, load_classifier, load_eval_data, plot, sweep
+    from .errors import UserError
+    from .progress import step
+
+    model = rbcompile.load(args.artifact)
+    defaults = CURVE_DEFAULTS[model.family]
+    settings = {k: getattr(args, k) or v for k, v in defaults.items()}
+    if min(settings.values()) < 1 or args.rounds < 1:
+        raise UserError("--samples, --seq, --batch and --rounds must be >= 1")
+    data = load_eval_data(model, args.data, **settings)
+    classifier = load_classifier(args.classifier) if args.classifier else None
+    with step(f"measuring {len(model.plans or [])} plans and the static baseline on "
+              f"{args.data or 'the bundled Tempest excerpt'}"):
+        result = sweep(model, data, classifier=classifier, rounds=args.rounds)
+    out = Path(args.output or f"{str(args.artifact).rstrip('/')}-curve")
+    out.mkdir(parents=True, exist_ok=True)
+    result["settings"] = {**settings, "data": args.data or "bundled Tempest excerpt",
+                          "rounds": args.rounds, "classifier": args.classifier}
+    (out / "curve.json").write_text(json.dumps(result, indent=1))
+    name = model.manifest["source"]["name"]
+    plot(result, f"{name}: quality vs speedup ({settings['batch']} x {settings['seq']} tokens)",
+         out / "curve.png")
+    print(format_table(result))
+    print(f"wrote {out / 'curve.json'} and {out / 'curve.png'}")
+
+
 def _cmd_models(args) -> None:
     from .models import DEFAULT_MODEL, list_models
     for name, package, description in list_models():
@@ -179,7 +226,7 @@ def _cmd_models(args) -> None:
 
 
 COMMANDS = {"compile": _cmd_compile, "inspect": _cmd_inspect, "run": _cmd_run,
-            "models": _cmd_models}
+            "curve": _cmd_curve, "models": _cmd_models}
 
 
 def main(argv=None) -> int:
