@@ -21,6 +21,7 @@ from .form_regions import form_regions
 from .mark_cache_reuse import mark_cache_reuse
 from .mark_prunable import mark_prunable
 from .mark_skeleton import mark_skeleton
+from .permute_width import permute_width
 
 logger = logging.getLogger("rbcompile.passes")
 
@@ -35,7 +36,12 @@ PIPELINE = [
     form_regions,
 ]
 
-__all__ = ["PIPELINE", "PassContext", "PassResult", "run_pipeline"]
+# Passes that need calibration (ctx.width_importance); they change weights, not the graph.
+CALIBRATED_PIPELINE = [
+    permute_width,
+]
+
+__all__ = ["CALIBRATED_PIPELINE", "PIPELINE", "PassContext", "PassResult", "run_pipeline"]
 
 
 def _dump(gm: GraphModule, ctx: PassContext, name: str, when: str) -> None:
@@ -48,9 +54,11 @@ def _dump(gm: GraphModule, ctx: PassContext, name: str, when: str) -> None:
 
 def run_pipeline(gm: GraphModule, ctx: PassContext, passes=PIPELINE) -> list[dict]:
     """Run `passes` in order, checking each contract; returns (and records) the history."""
-    established: set[str] = set()
+    established = {f"ctx:{key}" for key in ("blocks", "units", "cache_candidates", "regions",
+                                            "width_importance", "permutations")
+                   if getattr(ctx, key) is not None}
     dump = ctx.dump_pass or os.environ.get("RBCOMPILE_DUMP_PASS")
-    known = {p.pass_name for p in passes}
+    known = {p.pass_name for p in PIPELINE + CALIBRATED_PIPELINE}
     if dump and dump not in known:
         raise ValueError(f"unknown pass {dump!r} to dump; passes: {', '.join(sorted(known))}")
     for graph_pass in passes:

@@ -80,6 +80,8 @@ class PassContext:
     units: list[Unit] | None = None
     cache_candidates: dict[str, Any] | None = None
     regions: list[dict[str, Any]] | None = None
+    width_importance: dict[str, dict[str, list[float]]] | None = None  # unit -> heads / channels
+    permutations: dict[str, dict[str, list[int]]] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     dump_pass: str | None = None             # dump the graph before/after this pass
     dump_dir: str | None = None

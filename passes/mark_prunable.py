@@ -8,9 +8,15 @@ recorded with the parameters they live in, for elastic width.
 """
 from __future__ import annotations
 
+import torch
 from torch.fx import GraphModule, Node
 
-from .base import KIND, UNIT, PassContext, PassResult, Unit, compute_nodes, graph_pass
+from .base import (KIND, UNIT, PassContext, PassResult, Unit, compute_nodes, graph_pass,
+                   module_path)
+
+aten = torch.ops.aten
+_ATTENTION = {aten.scaled_dot_product_attention.default, aten._softmax.default,
+              aten.softmax.int}
 
 
 def _attention_width(config) -> dict:
@@ -37,6 +43,24 @@ def _parameters(nodes: list[Node]) -> list[str]:
     return list(found)
 
 
+_MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default}
+
+
+def _out_projections(kind: str, nodes: list[Node]) -> dict[str, str]:
+    """Module paths of the projections whose inputs are the heads (the first matmul after the
+    attention op) and the MLP channels (the last matmul of the unit)."""
+    matmuls = [i for i, n in enumerate(nodes) if n.target in _MATMULS]
+    attention = [i for i, n in enumerate(nodes) if n.target in _ATTENTION]
+    out = {}
+    if kind in ("attention", "layer") and attention:
+        after = [i for i in matmuls if i > attention[-1]]
+        if after:
+            out["attention_out"] = module_path(nodes[after[0]])
+    if kind in ("mlp", "layer") and matmuls:
+        out["mlp_out"] = module_path(nodes[matmuls[-1]])
+    return out
+
+
 def _width(kind: str, config, nodes: list[Node]) -> dict:
     width = {}
     if kind in ("attention", "layer"):
@@ -44,6 +68,7 @@ def _width(kind: str, config, nodes: list[Node]) -> dict:
     if kind in ("mlp", "layer"):
         width.update(_mlp_width(config))
     width["parameters"] = _parameters(nodes)
+    width.update(_out_projections(kind, nodes))
     return width
 
 

@@ -151,3 +151,63 @@ def build_plans(compiled, importance: dict, batches: Batches, grid=BUDGET_GRID) 
     plans.insert(0, {"budget": 0.0, "skip_gates": [], "skipped_share": 0.0,
                      "heldout": heldout([True] * compiled.num_gates)})
     return plans
+
+
+def _width_loss(family: str, model, ids, mask, generator) -> torch.Tensor:
+    """Decoders: next-token loss. Encoders (no task head): the pooled embedding projected on
+    fixed random directions, so |A^T dL/dA| measures how much a head or channel moves it."""
+    if family == "decoder":
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+        weight = (mask[:, 1:] * mask[:, :-1]).bool()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                               reduction="none").view_as(weight)
+        return loss[weight].mean()
+    pooled = quality.mean_pool(model(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+    directions = torch.randn(pooled.shape, generator=generator)
+    return (pooled * directions).sum()
+
+
+def measure_width_importance(model, units, family: str, batches) -> dict[str, dict[str, list[float]]]:
+    """Per attention head: E|A_h^T dL/dA_h| (Michel et al. 2019), A_h = the head's slice of the
+    output projection's input; per MLP channel: E|a_c dL/da_c| (first-order Taylor). Summed per
+    sample over positions, averaged over samples, L2-normalised per layer."""
+    modules = dict(model.named_modules())
+    targets = {}
+    for unit in units:
+        for key, part in (("attention_out", "heads"), ("mlp_out", "channels")):
+            if key in unit.width:
+                targets[unit.width[key]] = (unit, part)
+    captured: dict[str, torch.Tensor] = {}
+    hooks = [modules[path].register_forward_pre_hook(
+        lambda module, args, _path=path: captured.__setitem__(_path, args[0]))
+        for path in targets]
+    sums = {path: 0.0 for path in targets}
+    generator = torch.Generator().manual_seed(0)
+    grad_flags = [p.requires_grad for p in model.parameters()]
+    try:
+        for param in model.parameters():
+            param.requires_grad_(True)
+        for ids, mask in batches:
+            with torch.enable_grad():
+                loss = _width_loss(family, model, ids, mask, generator)
+                paths = list(captured)
+                grads = torch.autograd.grad(loss, [captured[p] for p in paths])
+            for path, grad in zip(paths, grads):
+                unit, part = targets[path]
+                contribution = (captured[path].detach() * grad) * mask.unsqueeze(-1)
+                per_sample = contribution.sum(1)  # [batch, features]
+                if part == "heads":
+                    per_sample = per_sample.view(len(ids), unit.width["heads"], -1).sum(-1)
+                sums[path] = sums[path] + per_sample.abs().sum(0)
+            captured.clear()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for param, flag in zip(model.parameters(), grad_flags):
+            param.requires_grad_(flag)
+    scores: dict[str, dict[str, list[float]]] = {}
+    for path, total in sums.items():
+        unit, part = targets[path]
+        normalised = total / total.norm().clamp(min=1e-12)
+        scores.setdefault(unit.name, {})[part] = normalised.tolist()
+    return scores

@@ -14,7 +14,7 @@ from .errors import UserError
 from .ir import build_ir
 from .models import (NAMED_MODELS, checkpoint_sha256, load_hf_model, model_family,
                      resolve_checkpoint)
-from .passes import PIPELINE, PassContext, run_pipeline
+from .passes import CALIBRATED_PIPELINE, PIPELINE, PassContext, run_pipeline
 from .passes.annotate_flops import REFERENCE_SEQ
 from .progress import step
 from .trace import INPUT_NAMES, example_inputs, trace
@@ -59,9 +59,11 @@ CALIBRATION_DEFAULTS = {"decoder": {"samples": 8, "seq": 256, "batch": 4},
                         "encoder": {"samples": 256, "seq": 128, "batch": 32}}
 
 
-def calibrate_model(compiled, source, samples: int | None = None, seq: int | None = None) -> None:
-    """Measure importance and choose verified plans; both go into the manifest."""
-    from .calibrate import build_plans, measure_importance
+def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None,
+                    seq: int | None = None) -> None:
+    """Measure region and head/channel importance, reorder heads and channels by importance
+    (CALIBRATED_PIPELINE) and choose verified plans; all of it goes into the manifest."""
+    from .calibrate import build_plans, measure_importance, measure_width_importance
     from .calibration_data import load_texts, make_batches
 
     defaults = CALIBRATION_DEFAULTS[compiled.family]
@@ -75,10 +77,15 @@ def calibrate_model(compiled, source, samples: int | None = None, seq: int | Non
     with step(f"calibrating on {source}: {sum(len(b[0]) for b in batches.calibration)} samples "
               f"x <= {seq} tokens, {sum(len(b[0]) for b in batches.heldout)} held out"):
         importance = measure_importance(compiled, batches)
+    with step("measuring head and channel importance (gradients)"):
+        ctx.width_importance = measure_width_importance(eager, ctx.units, compiled.family,
+                                                        batches.calibration)
+    run_pipeline(gm, ctx, CALIBRATED_PIPELINE)
     with step("choosing and verifying plans on held-out text"):
         plans = build_plans(compiled, importance, batches)
     compiled.manifest["calibration"] = {"source": str(source), "samples": samples, "seq": seq,
-                                        **importance}
+                                        **importance, "width": ctx.width_importance,
+                                        "permutations": ctx.permutations}
     compiled.manifest["plans"] = compiled.plans = plans
 
 
@@ -119,5 +126,5 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     compiled = CompiledModel(module, ir, source_code, manifest,
                              tokenizer_dir=checkpoint, hf_config=model.config.to_dict())
     if calib is not None:
-        calibrate_model(compiled, calib, calib_samples, calib_seq)
+        calibrate_model(compiled, gm, ctx, model, calib, calib_samples, calib_seq)
     return compiled
