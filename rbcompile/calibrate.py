@@ -1,12 +1,15 @@
 """Calibration: measure what each prunable region is worth, then choose a plan per budget.
 
 Per region: Block Influence (ShortGPT: 1 - cosine of the residual stream entering and leaving
-it, averaged over real tokens) and the measured loss increase when that region alone is skipped.
-Plans: for each budget of the grid, regions are skipped greedily in order of measured loss
-increase per prunable FLOP saved while the skipped share stays within the budget; each plan is
-then verified on held-out calibration text and stored with its measured quality.
+it, averaged over real tokens) and the measured loss increase when that region alone is skipped
+or, for each width level, narrowed. Plans: each region moves through its states (full, narrower
+widths, skipped); for each budget of the grid, the cheapest next move in measured loss increase
+per prunable FLOP saved is taken greedily while the saved share stays within the budget. Each
+plan is then verified on held-out calibration text and stored with its measured quality.
 """
 from __future__ import annotations
+
+import heapq
 
 from contextlib import contextmanager
 
@@ -17,6 +20,7 @@ from . import quality
 from .calibration_data import Batches
 from .codegen import method_name
 from .progress import say
+from .runtime.plans import apply_plan
 
 BUDGET_GRID = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 
@@ -73,8 +77,9 @@ class Evaluator:
         self.references = [quality.reference(self.family, compiled(ids, mask), mask)
                            for ids, mask in batches]
 
-    def __call__(self, gates) -> dict:
-        parts = [quality.measure(self.family, self.compiled(ids, mask, gates=gates), ids, mask, ref)
+    def __call__(self, gates, widths=None) -> dict:
+        parts = [quality.measure(self.family, self.compiled(ids, mask, gates=gates, widths=widths),
+                                 ids, mask, ref)
                  for (ids, mask), ref in zip(self.batches, self.references)]
         return quality.summarise(self.family, parts)
 
@@ -109,47 +114,75 @@ def measure_importance(compiled, batches: Batches) -> dict:
         gates = list(full_gates)
         gates[region["gate"]] = False
         measured = calib(gates)
-        regions[str(region["id"])] = {"block_influence": influence[region["id"]],
-                                      "loss_increase": measured["loss"] - base["loss"]}
-        say(f"  calibration {index}/{len(prunable)}: {region['name']}: loss "
-            f"{measured['loss'] - base['loss']:+.4f}, BI {influence[region['id']]:.4f}")
+        entry = {"block_influence": influence[region["id"]],
+                 "loss_increase": measured["loss"] - base["loss"], "width_loss_increase": {}}
+        for ratio in sorted(compiled.width_shares.get(region["id"], {}), reverse=True):
+            widths = [1.0] * compiled.num_gates
+            widths[region["gate"]] = ratio
+            entry["width_loss_increase"][str(ratio)] = calib(full_gates, widths)["loss"] - base["loss"]
+        regions[str(region["id"])] = entry
+        narrowed = ", ".join(f"w{float(r):g} {v:+.4f}" for r, v in entry["width_loss_increase"].items())
+        say(f"  calibration {index}/{len(prunable)}: {region['name']}: skip "
+            f"{entry['loss_increase']:+.4f}{', ' + narrowed if narrowed else ''}, "
+            f"BI {influence[region['id']]:.4f}")
     return {"base": base, "regions": regions,
             "layers": {str(k): {"block_influence": v} for k, v in layers.items()}}
 
 
-def plan_order(regions: list[dict], importance: dict) -> list[dict]:
-    """Prunable regions by measured loss increase per prunable FLOP share (cheapest first)."""
+def region_states(region: dict, importance: dict, shares: dict) -> list[tuple]:
+    """(width or 0 for skipped, share saved, loss increase) from full width to skipped."""
+    entry = importance["regions"][str(region["id"])]
+    states = [(1.0, 0.0, 0.0)]
+    for ratio in sorted(shares.get(region["id"], {}), reverse=True):
+        saved = region["prunable_share"] - shares[region["id"]][ratio]
+        if saved > states[-1][1]:  # a level that saves nothing more is no move
+            states.append((ratio, saved, entry["width_loss_increase"][str(ratio)]))
+    states.append((0.0, region["prunable_share"], entry["loss_increase"]))
+    return states
+
+
+def choose_states(regions: list[dict], importance: dict, shares: dict, budget: float) -> dict:
+    """Greedy: repeatedly take the move (one region one state further) with the lowest loss
+    increase per FLOP share saved that still fits the budget. Returns {gate: width or 0}."""
     prunable = [r for r in regions if r["kind"] == "prunable"]
-    cost = lambda r: importance["regions"][str(r["id"])]["loss_increase"] / max(r["prunable_share"], 1e-12)  # noqa: E731
-    return sorted(prunable, key=cost)
+    states = {r["gate"]: region_states(r, importance, shares) for r in prunable}
+    position = {gate: 0 for gate in states}
+    saved = 0.0
 
-
-def fill_budget(order: list[dict], budget: float, num_gates: int) -> list[bool]:
-    """Skip regions in `order` while the skipped prunable-FLOP share stays <= budget."""
-    gates, skipped = [True] * num_gates, 0.0
-    for region in order:
-        if skipped + region["prunable_share"] <= budget + 1e-9:
-            gates[region["gate"]] = False
-            skipped += region["prunable_share"]
-    return gates
+    def move(gate):
+        here, nxt = states[gate][position[gate]], states[gate][position[gate] + 1]
+        gain = max(nxt[1] - here[1], 1e-12)
+        return ((nxt[2] - here[2]) / gain, gate, gain)
+    heap = [move(g) for g in states]
+    heapq.heapify(heap)
+    while heap:
+        _, gate, gain = heapq.heappop(heap)
+        if saved + gain > budget + 1e-9:
+            continue  # this region cannot go further within the budget
+        saved += gain
+        position[gate] += 1
+        if position[gate] + 1 < len(states[gate]):
+            heapq.heappush(heap, move(gate))
+    return {gate: states[gate][pos][0] for gate, pos in position.items() if pos}
 
 
 def build_plans(compiled, importance: dict, batches: Batches, grid=BUDGET_GRID) -> list[dict]:
     """One verified plan per budget of the grid."""
-    from .runtime.plans import skipped_share
-
     heldout = Evaluator(compiled, batches.heldout)
-    order = plan_order(compiled.regions, importance)
-    plans = []
+    plans = [{"budget": 0.0, "skip_gates": [], "widths": {}, "skipped_share": 0.0,
+              "heldout": heldout([True] * compiled.num_gates)}]
     for budget in grid:
-        gates = fill_budget(order, budget, compiled.num_gates)
-        measured = heldout(gates)
-        plans.append({"budget": budget, "skip_gates": [i for i, g in enumerate(gates) if not g],
-                      "skipped_share": skipped_share(compiled.regions, gates), "heldout": measured})
-        say(f"  plan {budget:.2f}: skips {len(plans[-1]['skip_gates'])} regions "
-            f"({plans[-1]['skipped_share']:.1%}), held-out loss {measured['loss']:.4f}")
-    plans.insert(0, {"budget": 0.0, "skip_gates": [], "skipped_share": 0.0,
-                     "heldout": heldout([True] * compiled.num_gates)})
+        chosen = choose_states(compiled.regions, importance, compiled.width_shares, budget)
+        plan = {"budget": budget,
+                "skip_gates": sorted(g for g, w in chosen.items() if w == 0),
+                "widths": {str(g): w for g, w in sorted(chosen.items()) if w > 0}}
+        gates, widths = apply_plan(plan, compiled.num_gates)
+        plan["skipped_share"] = compiled.skipped_share(gates, widths)
+        plan["heldout"] = heldout(gates, widths)
+        plans.append(plan)
+        say(f"  plan {budget:.2f}: skips {len(plan['skip_gates'])} regions, narrows "
+            f"{len(plan['widths'])} ({plan['skipped_share']:.1%} of prunable FLOPs), held-out "
+            f"loss {plan['heldout']['loss']:.4f}")
     return plans
 
 

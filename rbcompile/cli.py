@@ -23,6 +23,13 @@ def _budget(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _levels(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rbcompile", description="Compile Hugging Face transformers into "
                      "adaptive runtime modules (guarded light/full paths).")
@@ -37,6 +44,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-samples", type=int, default=None,
                    help="calibration samples (decoders: windows; encoders: paragraphs)")
     p.add_argument("--calib-seq", type=int, default=None, help="tokens per calibration sample")
+    p.add_argument("--width-levels", type=_levels, default="0.75,0.5",
+                   help="with --calib: narrower widths each region may run at (default 0.75,0.5)")
+    p.add_argument("--width-floor", type=float, default=0.5,
+                   help="fewest heads / channels a width level may keep (default 0.5)")
     p.add_argument("--dump-pass", help="write the graph before/after this pass to ./rbcompile-dump")
     p.add_argument("-v", "--verbose", action="store_true", help="log every pass")
 
@@ -84,7 +95,8 @@ def _cmd_compile(args) -> None:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="  %(message)s")
     model = rbcompile.compile(args.model, dump_pass=args.dump_pass, calib=args.calib,
-                              calib_samples=args.calib_samples, calib_seq=args.calib_seq)
+                              calib_samples=args.calib_samples, calib_seq=args.calib_seq,
+                              width_levels=args.width_levels, width_floor=args.width_floor)
     for entry in model.manifest["passes"]:
         say(f"  pass {entry['pass']}: {entry['summary']}")
     with step(f"writing artifact {args.output}"):

@@ -73,21 +73,55 @@ def _tuple(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names)
 
 
-def _region_method(region: dict, nodes: list, params: dict[str, str]) -> list[str]:
-    header = (f"{_INDENT}# region {region['id']}: {region['kind']}"
-              f"{' (' + region['unit_kind'] + ')' if region['kind'] == 'prunable' else ''}"
-              f", {region['module_path']}, {region['flops_share']:.2%} of FLOPs")
-    lines = [header, f"{_INDENT}def {method_name(region)}(self, {', '.join(region['inputs'])}):"]
+def _region_method(region: dict, nodes: list, params, variant: dict | None = None) -> list[str]:
+    """A region's method; for a width variant, its narrowed twin (same region id and role)."""
+    if variant is None:
+        header = (f"{_INDENT}# region {region['id']}: {region['kind']}"
+                  f"{' (' + region['unit_kind'] + ')' if region['kind'] == 'prunable' else ''}"
+                  f", {region['module_path']}, {region['flops_share']:.2%} of FLOPs")
+        name, inputs, outputs = method_name(region), region["inputs"], region["outputs"]
+    else:
+        spec = variant["regions"][str(region["id"])]
+        header = (f"{_INDENT}# region {region['id']} at width {variant['ratio']:g}: "
+                  f"{region['module_path']}, {spec['prunable_share']:.2%} of prunable FLOPs")
+        name = f"{method_name(region)}_{variant['label']}"
+        inputs, outputs = spec["inputs"], spec["outputs"]
+    lines = [header, f"{_INDENT}def {name}(self, {', '.join(inputs)}):"]
     statements = []
     for name, op, args, kwargs, _ in nodes:
         reads = _reads(args, params) + _reads(list(kwargs.values()), params)
         statements.append((f"{name} = {_call(op, args, kwargs, params)}", reads))
-    statements.append((f"return {_tuple(region['outputs'])}", region["outputs"]))
+    statements.append((f"return {_tuple(outputs)}", outputs))
     lines += _with_deletes(statements, set(), _INDENT * 2)
     return lines
 
 
+def _prunable_call(region: dict, call: str, variants: list[dict]) -> str:
+    """The guarded call of a prunable region: skipped, full, or its narrowest variant whose
+    width is >= the requested one (levels below the lowest are clamped to it: the floor)."""
+    (out, stream_in), = region["skip"].items()
+    gate = region["gate"]
+    levels = [v for v in variants if str(region["id"]) in v["regions"]]
+    if not levels:
+        return (f"if gates[{gate}]:\n{_INDENT}{out} = {call}\n"
+                f"else:\n{_INDENT}{out} = {stream_in}")
+    args = call[call.index("("):]
+    lines = [f"if gates[{gate}]:",
+             f"{_INDENT}if widths is None or widths[{gate}] > {levels[0]['ratio']!r}:",
+             f"{_INDENT * 2}{out} = {call}"]
+    for index, variant in enumerate(levels):
+        target = f"self.{method_name(region)}_{variant['label']}{args}"
+        if index + 1 < len(levels):
+            lines += [f"{_INDENT}elif widths[{gate}] > {levels[index + 1]['ratio']!r}:",
+                      f"{_INDENT * 2}{out} = {target}"]
+        else:
+            lines += [f"{_INDENT}else:", f"{_INDENT * 2}{out} = {target}"]
+    lines += ["else:", f"{_INDENT}{out} = {stream_in}"]
+    return "\n".join(lines)
+
+
 def _forward(ir: dict) -> list[str]:
+    variants = sorted(ir.get("variants", []), key=lambda v: -v["ratio"])
     statements = []
     for region in ir["regions"]:
         method, inputs, outputs = method_name(region), region["inputs"], region["outputs"]
@@ -96,24 +130,24 @@ def _forward(ir: dict) -> list[str]:
             args = ", ".join([str(region["id"]), f"self.{method}", *inputs])
             code = f"{_tuple(outputs)}{',' if len(outputs) == 1 else ''} = self.region_cache.lookup({args})"
         elif region["kind"] == "prunable":
-            (out, stream_in), = region["skip"].items()
-            code = (f"if gates[{region['gate']}]:\n{_INDENT}{out} = {call}\n"
-                    f"else:\n{_INDENT}{out} = {stream_in}")
+            code = _prunable_call(region, call, variants)
         else:
             code = f"{_tuple(outputs)} = {call}"
         statements.append((code, inputs))
     results = [name for _, name in ir["outputs"]]
     statements.append((f"return ({', '.join(results)},)", results))
     inputs = ", ".join(ir["inputs"])
-    return ([f"{_INDENT}def forward(self, {inputs}, gates):",
-             f'{_INDENT * 2}"""Run the model; `gates[i]` turns prunable region i on (True) or off."""']
+    return ([f"{_INDENT}def forward(self, {inputs}, gates, widths=None):",
+             f'{_INDENT * 2}"""Run the model; `gates[i]` turns prunable region i on (True) or off;',
+             f'{_INDENT * 2}`widths[i]` (optional) narrows it to the smallest width level >= it."""']
             + _with_deletes(statements, set(), _INDENT * 2))
 
 
 def generate_source(ir: dict) -> str:
     """Python source of the generated module for a validated IR."""
     check_ir(ir)
-    params = ir["parameters"]
+    variants = sorted(ir.get("variants", []), key=lambda v: -v["ratio"])
+    params = {**ir["parameters"], **{n: v for var in variants for n, v in var["parameters"].items()}}
     by_region: dict[int, list] = {}
     for node in ir["nodes"]:
         by_region.setdefault(node[4], []).append(node)
@@ -121,7 +155,9 @@ def generate_source(ir: dict) -> str:
     table = "\n".join(f"  gate {r['gate']:>3} -> region {r['id']:>3} {r['unit_kind']:<9} "
                       f"{r['name']} ({r['prunable_share']:.1%} of prunable FLOPs)"
                       for r in prunable)
-    param_lines = "\n".join(f"        {name!r}: {key!r}," for name, key in params.items())
+    param_lines = "\n".join(f"        {name!r}: {key!r}," for name, key in ir["parameters"].items())
+    view_lines = "\n".join(f"        {name!r}: ({v['key']!r}, {v['axis']!r}, {v['length']!r}),"
+                           for var in variants for name, v in var["parameters"].items())
     lines = [
         f'"""Generated by rbcompile from {ir["title"]}.',
         "",
@@ -149,6 +185,11 @@ def generate_source(ir: dict) -> str:
         "    PARAMETERS = {",
         param_lines,
         "    }",
+        "    # buffer name -> (weights key, axis, length): narrowed views for width levels",
+        "    PARAMETER_VIEWS = {",
+        *([view_lines] if view_lines else []),
+        "    }",
+        f"    WIDTH_LEVELS = {tuple(v['ratio'] for v in variants)!r}",
         "",
         "    def __init__(self):",
         "        super().__init__()",
@@ -162,4 +203,8 @@ def generate_source(ir: dict) -> str:
     ]
     for region in ir["regions"]:
         lines += [""] + _region_method(region, by_region.get(region["id"], []), params)
+        for variant in variants:
+            if str(region["id"]) in variant["regions"]:
+                nodes = [n for n in variant["nodes"] if n[4] == region["id"]]
+                lines += [""] + _region_method(region, nodes, params, variant)
     return "\n".join(lines) + "\n"

@@ -18,7 +18,7 @@ from .errors import UserError
 from .ir import check_ir
 from .models import copy_tokenizer_files
 from .runtime.complexity import LengthRarityComplexity
-from .runtime.plans import check_budget, gates_for_budget, skipped_share
+from .runtime.plans import check_budget, plan_for_budget, skipped_share, width_shares
 
 SCHEMA_VERSION = 1
 MANIFEST, GRAPH, SOURCE, WEIGHTS, CONFIG = ("manifest.json", "graph.json", "model.py",
@@ -32,11 +32,12 @@ def _sha256(data: bytes) -> str:
 class CompiledOutput(dict):
     """Output tensors by name, plus how they were computed."""
 
-    def __init__(self, tensors: dict, *, path: str, gates: list[bool], skipped_flops: float,
-                 complexity: list[float] | None):
+    def __init__(self, tensors: dict, *, path: str, gates: list[bool], widths: list[float] | None,
+                 skipped_flops: float, complexity: list[float] | None):
         super().__init__(tensors)
         self.path = path                    # "full" | "light" | "gates"
         self.gates = gates
+        self.widths = widths                # per gate width requested (None: all full width)
         self.skipped_flops = skipped_flops  # fraction of prunable FLOPs skipped
         self.complexity = complexity
 
@@ -68,6 +69,7 @@ class CompiledModel:
         self.complexity = LengthRarityComplexity(self.vocab_size)
         self.complexity_threshold: float | None = None
         self.plans: list[dict] | None = manifest.get("plans")
+        self.width_shares = width_shares(ir.get("variants", []))
         self._tokenizer = None
 
     # ---- running --------------------------------------------------------------------------
@@ -91,34 +93,49 @@ class CompiledModel:
             raise UserError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
         return input_ids.long(), attention_mask.long()
 
-    def choose_gates(self, input_ids, attention_mask, budget=None, gates=None):
-        """(gates, path, complexity) for a batch."""
+    def choose_gates(self, input_ids, attention_mask, budget=None, gates=None, widths=None):
+        """(gates, widths, path, complexity) for a batch."""
+        if widths is not None:
+            widths = [float(w) for w in (widths.tolist() if isinstance(widths, torch.Tensor) else widths)]
+            if len(widths) != self.num_gates or not all(0 < w <= 1 for w in widths):
+                raise UserError(f"widths must be {self.num_gates} values in (0, 1]")
         if gates is not None:
             gates = [bool(g) for g in (gates.tolist() if isinstance(gates, torch.Tensor) else gates)]
             if len(gates) != self.num_gates:
                 raise UserError(f"expected {self.num_gates} gates, got {len(gates)}")
-            return gates, "gates", None
+            return gates, widths, "gates", None
         full = [True] * self.num_gates
         if budget is None:
-            return full, "full", None
+            return full, widths, ("full" if widths is None else "gates"), None
         budget = check_budget(budget)
-        if self.complexity_threshold is None:
-            return gates_for_budget(self.regions, budget, self.plans), "light", None
-        scores = self.complexity(input_ids, attention_mask).tolist()
-        if max(scores) < self.complexity_threshold:
-            return gates_for_budget(self.regions, budget, self.plans), "light", scores
-        return full, "full", scores
+        scores = None
+        if self.complexity_threshold is not None:
+            scores = self.complexity(input_ids, attention_mask).tolist()
+            if max(scores) >= self.complexity_threshold:
+                return full, None, "full", scores
+        gates, widths = self.plan_for_budget(budget)
+        return gates, widths, "light", scores
 
     @torch.no_grad()
-    def __call__(self, input_ids, attention_mask=None, *, budget=None, gates=None) -> CompiledOutput:
+    def __call__(self, input_ids, attention_mask=None, *, budget=None, gates=None,
+                 widths=None) -> CompiledOutput:
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
-        gates, path, scores = self.choose_gates(input_ids, attention_mask, budget, gates)
-        outputs = self.module(input_ids, attention_mask, gates)
+        gates, widths, path, scores = self.choose_gates(input_ids, attention_mask, budget, gates,
+                                                        widths)
+        outputs = self.module(input_ids, attention_mask, gates, widths)
         return CompiledOutput(dict(zip(self.output_names, outputs)), path=path, gates=gates,
-                              skipped_flops=skipped_share(self.regions, gates), complexity=scores)
+                              widths=widths, skipped_flops=self.skipped_share(gates, widths),
+                              complexity=scores)
+
+    def plan_for_budget(self, budget: float) -> tuple[list[bool], list[float] | None]:
+        return plan_for_budget(self.regions, budget, self.plans)
 
     def gates_for_budget(self, budget: float) -> list[bool]:
-        return gates_for_budget(self.regions, budget, self.plans)
+        return self.plan_for_budget(budget)[0]
+
+    def skipped_share(self, gates, widths=None) -> float:
+        """Fraction of prunable FLOPs not computed under these gates and widths."""
+        return skipped_share(self.regions, gates, widths, self.width_shares)
 
     @property
     def tokenizer(self):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import linecache
 import operator
-from pathlib import Path
 
 import torch
 
@@ -12,11 +11,11 @@ from . import __version__
 from .codegen import generate_source
 from .errors import UserError
 from .ir import build_ir
-from .models import (NAMED_MODELS, checkpoint_sha256, load_hf_model, model_family,
-                     resolve_checkpoint)
+from .models import checkpoint_sha256, load_hf_model, model_family, resolve_checkpoint
 from .passes import CALIBRATED_PIPELINE, PIPELINE, PassContext, run_pipeline
 from .passes.annotate_flops import REFERENCE_SEQ
-from .progress import step
+from .progress import say, step
+from .width import DEFAULT_LEVELS
 from .trace import INPUT_NAMES, example_inputs, trace
 
 
@@ -36,6 +35,10 @@ def attach_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
         raise UserError(f"weights are missing {len(missing)} tensors, e.g. {missing[0]}")
     for name, key in module.PARAMETERS.items():
         module.register_buffer(name, tensors[key])
+    for name, (key, axis, length) in module.PARAMETER_VIEWS.items():
+        if key not in tensors or tensors[key].dim() <= axis or tensors[key].shape[axis] < length:
+            raise UserError(f"weights cannot provide the view {name} of {key}")
+        module.register_buffer(name, tensors[key].narrow(axis, 0, length), persistent=False)
 
 
 def architecture_summary(model) -> dict:
@@ -59,10 +62,44 @@ CALIBRATION_DEFAULTS = {"decoder": {"samples": 8, "seq": 256, "batch": 4},
                         "encoder": {"samples": 256, "seq": 128, "batch": 32}}
 
 
+def add_width_levels(compiled, gm, ctx, eager, levels) -> None:
+    """Trace the narrowed width levels and regenerate the module with their methods."""
+    from .runtime.plans import width_shares
+    from .width import build_variant
+
+    variants = []
+    for ratio in levels:
+        with step(f"tracing width level {ratio:g}"):
+            variant = build_variant(eager, compiled, ctx, ratio)
+        if variant:
+            variants.append(variant)
+    if not variants:
+        return
+    compiled.ir["variants"] = variants
+    compiled.source = generate_source(compiled.ir)
+    weights = {key: compiled.module.get_buffer(name)
+               for name, key in compiled.module.PARAMETERS.items()}
+    compiled.module = instantiate(compiled.source, compiled.manifest["source"]["name"])
+    attach_weights(compiled.module, weights)
+    compiled.width_shares = width_shares(variants)
+
+
+def check_width_levels(levels, floor: float) -> tuple[float, ...]:
+    levels = tuple(sorted({float(level) for level in levels}, reverse=True))
+    if not 0 < floor <= 1:
+        raise UserError(f"width floor must be in (0, 1], got {floor}")
+    bad = [level for level in levels if not floor <= level < 1]
+    if bad:
+        raise UserError(f"width levels must be in [{floor:g}, 1) (the floor is {floor:g}), got {bad}")
+    return levels
+
+
 def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None,
-                    seq: int | None = None) -> None:
+                    seq: int | None = None, width_levels=DEFAULT_LEVELS,
+                    width_floor: float = 0.5) -> None:
     """Measure region and head/channel importance, reorder heads and channels by importance
-    (CALIBRATED_PIPELINE) and choose verified plans; all of it goes into the manifest."""
+    (CALIBRATED_PIPELINE), add width levels, and choose verified plans; all of it goes into
+    the manifest."""
     from .calibrate import build_plans, measure_importance, measure_width_importance
     from .calibration_data import load_texts, make_batches
 
@@ -70,17 +107,20 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
     samples, seq = samples or defaults["samples"], seq or defaults["seq"]
     if samples < 2 or seq < 2:
         raise UserError("--calib-samples and --calib-seq must be >= 2")
+    width_levels = check_width_levels(width_levels, width_floor)
     seq = min(seq, compiled.max_positions)
     texts = load_texts(source)
     batches = make_batches(compiled.tokenizer, texts, compiled.family, seq_len=seq,
                            samples=samples, batch_size=defaults["batch"])
-    with step(f"calibrating on {source}: {sum(len(b[0]) for b in batches.calibration)} samples "
-              f"x <= {seq} tokens, {sum(len(b[0]) for b in batches.heldout)} held out"):
-        importance = measure_importance(compiled, batches)
+    say(f"calibrating on {source}: {sum(len(b[0]) for b in batches.calibration)} samples x <= "
+        f"{seq} tokens, {sum(len(b[0]) for b in batches.heldout)} held out")
     with step("measuring head and channel importance (gradients)"):
         ctx.width_importance = measure_width_importance(eager, ctx.units, compiled.family,
                                                         batches.calibration)
     run_pipeline(gm, ctx, CALIBRATED_PIPELINE)
+    add_width_levels(compiled, gm, ctx, eager, width_levels)
+    with step("measuring each region skipped and at each width level"):
+        importance = measure_importance(compiled, batches)
     with step("choosing and verifying plans on held-out text"):
         plans = build_plans(compiled, importance, batches)
     compiled.manifest["calibration"] = {"source": str(source), "samples": samples, "seq": seq,
@@ -90,7 +130,8 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
 
 
 def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
-                  calib_samples: int | None = None, calib_seq: int | None = None):
+                  calib_samples: int | None = None, calib_seq: int | None = None,
+                  width_levels=DEFAULT_LEVELS, width_floor: float = 0.5):
     """Compile a bundled model name, a checkpoint folder or a loaded transformers model;
     with `calib` (a text source), also calibrate importance and budget plans."""
     from .compiled import CompiledModel
@@ -126,5 +167,6 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     compiled = CompiledModel(module, ir, source_code, manifest,
                              tokenizer_dir=checkpoint, hf_config=model.config.to_dict())
     if calib is not None:
-        calibrate_model(compiled, gm, ctx, model, calib, calib_samples, calib_seq)
+        calibrate_model(compiled, gm, ctx, model, calib, calib_samples, calib_seq,
+                        width_levels, width_floor)
     return compiled

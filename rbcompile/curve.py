@@ -15,7 +15,6 @@ from . import quality
 from .calibration_data import decoder_windows, load_texts
 from .errors import UserError
 from .progress import say
-from .runtime.plans import skipped_share
 
 DEFAULT_EVAL = Path(__file__).parent / "data" / "eval-tempest.txt"
 
@@ -88,10 +87,10 @@ def static_bi_gates(compiled, budget: float) -> list[bool]:
     return gates
 
 
-def _quality(compiled, data: EvalData, gates, references, classifier) -> dict:
+def _quality(compiled, data: EvalData, gates, widths, references, classifier) -> dict:
     parts, correct, total = [], 0, 0
     for index, ((ids, mask), ref) in enumerate(zip(data.batches, references)):
-        out = compiled(ids, mask, gates=gates)
+        out = compiled(ids, mask, gates=gates, widths=widths)
         parts.append(quality.measure(compiled.family, out, ids, mask, ref))
         if classifier is not None and data.labels is not None:
             weight, bias = classifier
@@ -104,10 +103,10 @@ def _quality(compiled, data: EvalData, gates, references, classifier) -> dict:
     return result
 
 
-def _time(compiled, data: EvalData, gates) -> float:
+def _time(compiled, data: EvalData, gates, widths) -> float:
     start = time.perf_counter()
     for ids, mask in data.batches:
-        compiled(ids, mask, gates=gates)
+        compiled(ids, mask, gates=gates, widths=widths)
     return time.perf_counter() - start
 
 
@@ -133,29 +132,33 @@ def sweep(compiled, data: EvalData, *, classifier=None, rounds: int = 3) -> dict
     """Measure every plan and the BI baseline; quality once, latency as a median of rounds."""
     if not compiled.plans:
         raise UserError("this artifact has no calibrated plans: compile it with --calib")
-    settings = [("full", 0.0, [True] * compiled.num_gates)]
+    settings = [("full", 0.0, [True] * compiled.num_gates, None)]
     for plan in compiled.plans[1:]:
-        settings.append(("plan", plan["budget"], compiled.gates_for_budget(plan["budget"])))
-        settings.append(("static-BI", plan["budget"], static_bi_gates(compiled, plan["budget"])))
-    unique = {tuple(g): g for _, _, g in settings}
+        settings.append(("plan", plan["budget"], *compiled.plan_for_budget(plan["budget"])))
+        settings.append(("static-BI", plan["budget"], static_bi_gates(compiled, plan["budget"]), None))
+    key = lambda gates, widths: (tuple(gates), tuple(widths) if widths else None)  # noqa: E731
+    unique = {key(g, w): (g, w) for _, _, g, w in settings}
     references = [quality.reference(compiled.family, compiled(ids, mask), mask)
                   for ids, mask in data.batches]
     measured = {}
-    for index, (key, gates) in enumerate(unique.items(), 1):
-        measured[key] = _quality(compiled, data, gates, references, classifier)
-        say(f"  quality {index}/{len(unique)}: skipped {skipped_share(compiled.regions, gates):.1%}")
-    times: dict[tuple, list[float]] = {key: [] for key in unique}
-    for round_index in range(rounds):  # interleaved: each gate set once per round
-        for key, gates in unique.items():
-            times[key].append(_time(compiled, data, gates))
+    for index, (k, (gates, widths)) in enumerate(unique.items(), 1):
+        measured[k] = _quality(compiled, data, gates, widths, references, classifier)
+        say(f"  quality {index}/{len(unique)}: skipped {compiled.skipped_share(gates, widths):.1%}")
+    times: dict[tuple, list[float]] = {k: [] for k in unique}
+    for round_index in range(rounds):  # interleaved: each setting once per round
+        for k, (gates, widths) in unique.items():
+            times[k].append(_time(compiled, data, gates, widths))
         say(f"  latency round {round_index + 1}/{rounds}")
-    full_time = statistics.median(times[tuple(settings[0][2])])
+    full_time = statistics.median(times[key(settings[0][2], None)])
     rows = []
-    for kind, budget, gates in settings:
-        seconds = statistics.median(times[tuple(gates)])
-        rows.append({"kind": kind, "budget": budget, "skipped_share": skipped_share(compiled.regions, gates),
+    for kind, budget, gates, widths in settings:
+        k = key(gates, widths)
+        seconds = statistics.median(times[k])
+        rows.append({"kind": kind, "budget": budget,
+                     "skipped_share": compiled.skipped_share(gates, widths),
                      "skipped_gates": [i for i, g in enumerate(gates) if not g],
-                     "median_s": seconds, "speedup": full_time / seconds, **measured[tuple(gates)]})
+                     "narrowed": {str(i): w for i, w in enumerate(widths or []) if w < 1},
+                     "median_s": seconds, "speedup": full_time / seconds, **measured[k]})
     metric, higher = main_metric(compiled.family, rows)
     plan_points = [r for r in rows if r["kind"] in ("full", "plan")]
     return {"metric": metric, "higher_is_better": higher, "rows": rows,

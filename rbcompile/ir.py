@@ -139,6 +139,43 @@ def _check_text(value) -> None:
         raise UserError(f"corrupt artifact graph: bad text {value!r}")
 
 
+_LABEL = re.compile(r"w[0-9]{1,3}")
+
+
+def _check_variant(variant: dict, ir: dict) -> set[str]:
+    """Validate one width variant; returns the view names it adds."""
+    if not _LABEL.fullmatch(str(variant["label"])) or not 0 < variant["ratio"] < 1:
+        raise UserError(f"corrupt artifact graph: bad width variant {variant.get('label')!r}")
+    views = set()
+    for name, view in variant["parameters"].items():
+        if (not isinstance(view["key"], str) or not _PARAM_KEY.fullmatch(view["key"])
+                or not isinstance(view["axis"], int) or not isinstance(view["length"], int)
+                or view["length"] < 1):
+            raise UserError(f"corrupt artifact graph: bad parameter view {name!r}")
+        views.add(_check_name(name))
+    prunable = {str(r["id"]) for r in ir["regions"] if r["kind"] == "prunable"}
+    base = set(ir["parameters"]) | views
+    defined_in = {}
+    for region_id, spec in variant["regions"].items():
+        if region_id not in prunable or not isinstance(spec["prunable_share"], (int, float)):
+            raise UserError(f"corrupt artifact graph: bad variant region {region_id!r}")
+        defined_in[region_id] = base | {_check_name(n) for n in spec["inputs"]}
+    for name, op, args, kwargs, region in variant["nodes"]:
+        defined = defined_in.get(str(region))
+        if defined is None:
+            raise UserError(f"corrupt artifact graph: variant node in region {region!r}")
+        resolve_op(op)
+        _check_value(args, defined)
+        for key, value in kwargs.items():
+            _check_name(key)
+            _check_value(value, defined)
+        defined.add(_check_name(name))
+    for region_id, spec in variant["regions"].items():
+        if not set(spec["outputs"]) <= defined_in[region_id]:
+            raise UserError(f"corrupt artifact graph: variant region {region_id} output unknown")
+    return views
+
+
 def check_ir(ir: dict) -> None:
     """Validate an IR loaded from disk before generating code from it."""
     try:
@@ -174,5 +211,8 @@ def check_ir(ir: dict) -> None:
         for _, name in ir["outputs"]:
             if name not in defined:
                 raise UserError(f"corrupt artifact graph: unknown output {name!r}")
+        params = set(ir["parameters"])
+        for variant in ir.get("variants", []):
+            params |= _check_variant(variant, ir)
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"corrupt artifact graph: {type(exc).__name__}: {exc}") from None

@@ -36,23 +36,70 @@ def check_budget(budget) -> float:
     return value
 
 
-def gates_for_budget(regions: list[dict], budget: float, plans: list[dict] | None = None) -> list[bool]:
-    """Gates for a budget: the calibrated plan with the largest budget <= `budget` when plans
-    exist, otherwise regions skipped in `skip_order` while skipped FLOPs stay <= budget."""
+def plan_for_budget(regions: list[dict], budget: float, plans: list[dict] | None = None):
+    """(gates, widths) for a budget: the calibrated plan with the largest budget <= `budget`
+    when plans exist (widths None when it narrows nothing), otherwise regions skipped in
+    `skip_order` while skipped FLOPs stay <= budget."""
     budget = check_budget(budget)
-    gates = [True] * sum(1 for r in regions if r["kind"] == "prunable")
+    num_gates = sum(1 for r in regions if r["kind"] == "prunable")
     if plans:
         plan = max((p for p in plans if p["budget"] <= budget + 1e-9), key=lambda p: p["budget"])
-        for gate in plan["skip_gates"]:
-            gates[gate] = False
-        return gates
+        return apply_plan(plan, num_gates)
+    gates = [True] * num_gates
     skipped = 0.0
     for region in skip_order(regions):
         if skipped + region["prunable_share"] <= budget + 1e-9:
             gates[region["gate"]] = False
             skipped += region["prunable_share"]
-    return gates
+    return gates, None
 
 
-def skipped_share(regions: list[dict], gates: list[bool]) -> float:
-    return sum(r["prunable_share"] for r in regions if r["kind"] == "prunable" and not gates[r["gate"]])
+def apply_plan(plan: dict, num_gates: int) -> tuple[list[bool], list[float] | None]:
+    """(gates, widths) of a stored plan: `skip_gates` off, `widths` {gate: ratio} narrowed."""
+    gates = [True] * num_gates
+    for gate in plan["skip_gates"]:
+        gates[gate] = False
+    widths = None
+    if plan.get("widths"):
+        widths = [1.0] * num_gates
+        for gate, ratio in plan["widths"].items():
+            widths[int(gate)] = ratio
+    return gates, widths
+
+
+def gates_for_budget(regions: list[dict], budget: float, plans: list[dict] | None = None) -> list[bool]:
+    return plan_for_budget(regions, budget, plans)[0]
+
+
+def width_shares(variants: list[dict]) -> dict[int, dict[float, float]]:
+    """region id -> {width ratio: prunable FLOPs share at that width} from the IR's variants."""
+    shares: dict[int, dict[float, float]] = {}
+    for variant in variants:
+        for region_id, spec in variant["regions"].items():
+            shares.setdefault(int(region_id), {})[variant["ratio"]] = spec["prunable_share"]
+    return shares
+
+
+def level_for(levels: dict[float, float], width: float) -> float | None:
+    """The width level a request runs at: the smallest level >= width, the lowest (the floor)
+    below it, or None (full width) when width is above every level."""
+    above = [r for r in levels if r >= width]
+    if width >= 1 or not levels:
+        return None
+    return min(above) if above else min(levels)
+
+
+def skipped_share(regions: list[dict], gates: list[bool], widths=None, shares=None) -> float:
+    """Fraction of prunable FLOPs a gate / width setting does not compute."""
+    total = 0.0
+    for region in regions:
+        if region["kind"] != "prunable":
+            continue
+        gate = region["gate"]
+        if not gates[gate]:
+            total += region["prunable_share"]
+        elif widths is not None and shares and region["id"] in shares:
+            level = level_for(shares[region["id"]], widths[gate])
+            if level is not None:
+                total += region["prunable_share"] - shares[region["id"]][level]
+    return total

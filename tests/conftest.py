@@ -110,3 +110,25 @@ def minilm():
 
     path = resolve_checkpoint("minilm-l6")
     return rbcompile.compile("minilm-l6"), load_hf_model(path), AutoTokenizer.from_pretrained(path)
+
+
+def word_text(words: int, seed: int = 0) -> str:
+    """Paragraphs of random words from the tiny tokenizer's vocabulary."""
+    import random
+    rng = random.Random(seed)
+    return "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(words // 12))
+
+
+@pytest.fixture(scope="session")
+def calib_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "words.txt"
+    path.write_text(word_text(1500))
+    return path
+
+
+@pytest.fixture(scope="session")
+def calibrated_tiny(tiny_checkpoints, calib_file):
+    """arch -> CompiledModel calibrated on random word text (permuted, with width levels)."""
+    import rbcompile
+    return {arch: rbcompile.compile(path, calib=calib_file, calib_samples=8, calib_seq=32)
+            for arch, path in tiny_checkpoints.items()}

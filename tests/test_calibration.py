@@ -1,34 +1,19 @@
 """Calibration sources, measured importance, verified plans and the curve (tiny models)."""
 import json
-import random
 
 import pytest
 import torch
 
 import rbcompile
-from conftest import WORDS
+from conftest import word_text
 from rbcompile.calibration_data import decoder_windows, load_texts
 from rbcompile.cli import main
 from rbcompile.errors import UserError
 
 
-def _word_text(words: int, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(words // 12)]
-    return "\n\n".join(lines)
-
-
 @pytest.fixture(scope="module")
-def calib_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("calib") / "words.txt"
-    path.write_text(_word_text(1200))
-    return path
-
-
-@pytest.fixture(scope="module")
-def calibrated_llama(tiny_checkpoints, calib_file):
-    return rbcompile.compile(tiny_checkpoints["llama"], calib=calib_file, calib_samples=8,
-                             calib_seq=32)
+def calibrated_llama(calibrated_tiny):
+    return calibrated_tiny["llama"]
 
 
 def test_sources_text_jsonl_and_default(tmp_path):
@@ -54,7 +39,7 @@ def test_bad_sources_give_clear_errors(tmp_path, content, message):
 
 def test_long_texts_are_cut_into_windows(compiled_tiny):
     compiled, _ = compiled_tiny["llama"]
-    windows = decoder_windows(compiled.tokenizer, [_word_text(600)], seq_len=64, windows=100)
+    windows = decoder_windows(compiled.tokenizer, [word_text(600)], seq_len=64, windows=100)
     assert windows.shape[1] == 64 and windows.shape[0] == 600 // 64
     with pytest.raises(UserError, match="fewer than one window"):
         decoder_windows(compiled.tokenizer, ["the a of"], seq_len=64, windows=4)
@@ -63,6 +48,7 @@ def test_long_texts_are_cut_into_windows(compiled_tiny):
 def test_importance_is_deterministic(calibrated_llama, tiny_checkpoints, calib_file):
     again = rbcompile.compile(tiny_checkpoints["llama"], calib=calib_file, calib_samples=8,
                               calib_seq=32)
+    assert again.manifest["calibration"]["width"] == calibrated_llama.manifest["calibration"]["width"]
     assert again.manifest["calibration"]["regions"] == calibrated_llama.manifest["calibration"]["regions"]
     regions = calibrated_llama.manifest["calibration"]["regions"]
     prunable = [r for r in calibrated_llama.regions if r["kind"] == "prunable"]
@@ -82,12 +68,23 @@ def test_plans_respect_their_budget_and_are_verified(calibrated_llama):
     assert [i for i, g in enumerate(gates) if not g] == plans[3]["skip_gates"]
 
 
-def test_plans_follow_measured_loss_per_flop(calibrated_llama):
-    from rbcompile.calibrate import plan_order
-    importance = calibrated_llama.manifest["calibration"]
-    order = plan_order(calibrated_llama.regions, importance)
-    costs = [importance["regions"][str(r["id"])]["loss_increase"] / r["prunable_share"] for r in order]
-    assert costs == sorted(costs)
+def test_greedy_takes_cheapest_loss_per_flop_moves_within_budget():
+    from rbcompile.calibrate import choose_states
+    regions = [{"kind": "prunable", "id": i, "gate": i, "prunable_share": 0.25} for i in range(4)]
+    importance = {"regions": {
+        "0": {"loss_increase": 1.0, "width_loss_increase": {"0.5": 0.01}},
+        "1": {"loss_increase": 0.02, "width_loss_increase": {"0.5": 0.01}},
+        "2": {"loss_increase": 5.0, "width_loss_increase": {"0.5": 2.0}},
+        "3": {"loss_increase": 0.5, "width_loss_increase": {"0.5": 0.4}}}}
+    shares = {i: {0.5: 0.125} for i in range(4)}
+    assert choose_states(regions, importance, shares, 0.0) == {}
+    # cheapest first: narrow 0 and 1 (0.01 / 0.125 each), then skip 1 (+0.01 / 0.125)
+    assert choose_states(regions, importance, shares, 0.25) == {0: 0.5, 1: 0.5}
+    assert choose_states(regions, importance, shares, 0.375) == {0: 0.5, 1: 0.0}
+    for budget in (0.1, 0.3, 0.6, 1.0):
+        chosen = choose_states(regions, importance, shares, budget)
+        saved = sum(0.25 if w == 0 else 0.125 for w in chosen.values())
+        assert saved <= budget + 1e-9
 
 
 def test_calibration_survives_save_and_load(calibrated_llama, tmp_path):
@@ -100,7 +97,7 @@ def test_calibration_survives_save_and_load(calibrated_llama, tmp_path):
 def test_curve_writes_json_png_and_table(calibrated_llama, tmp_path, capsys, calib_file):
     art = calibrated_llama.save(tmp_path / "art")
     data = tmp_path / "eval.txt"
-    data.write_text(_word_text(600, seed=1))
+    data.write_text(word_text(600, seed=1))
     assert main(["curve", str(art), "--data", str(data), "--samples", "3", "--seq", "48",
                  "--rounds", "1", "-o", str(tmp_path / "curve")]) == 0
     table = capsys.readouterr().out

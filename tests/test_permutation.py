@@ -8,11 +8,8 @@ from rbcompile.passes.permute_width import head_orders
 
 
 @pytest.fixture(scope="module")
-def calib_text(tmp_path_factory):
-    from test_calibration import _word_text
-    path = tmp_path_factory.mktemp("perm") / "calib.txt"
-    path.write_text(_word_text(1500))
-    return path
+def calib_text(calib_file):
+    return calib_file
 
 
 def _compile(model, tokenizer_dir, calib_text, tmp_path):
