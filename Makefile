@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench curves clean
 
 install: $(STAMP)
 
@@ -29,6 +29,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_latency.py
+
+# Quality-latency curves on real data (long: calibration + sweeps, ~1 h on 2 cores).
+MR := $(or $(RBCOMPILE_CACHE),$(HOME)/.cache/rbcompile)/mr
+curves: $(STAMP)
+	$(PY) benchmarks/prepare_classifier.py
+	$(VENV)/bin/rbcompile compile $(MR)/encoder --calib $(MR)/train.jsonl -o build/minilm-mr
+	$(VENV)/bin/rbcompile curve build/minilm-mr --data $(MR)/test.jsonl --classifier $(MR)/head.safetensors
+	$(VENV)/bin/rbcompile compile smollm2-135m --calib default -o build/smollm2-calib
+	$(VENV)/bin/rbcompile curve build/smollm2-calib
 
 clean:
 	rm -rf build rbcompile-dump benchmarks/results

@@ -3,9 +3,10 @@
 Per region: Block Influence (ShortGPT: 1 - cosine of the residual stream entering and leaving
 it, averaged over real tokens) and the measured loss increase when that region alone is skipped
 or, for each width level, narrowed. Plans: each region moves through its states (full, narrower
-widths, skipped); for each budget of the grid, the cheapest next move in measured loss increase
-per prunable FLOP saved is taken greedily while the saved share stays within the budget. Each
-plan is then verified on held-out calibration text and stored with its measured quality.
+widths, skipped); a greedy search takes, step by step, the move with the lowest loss increase
+per prunable FLOP saved, measured in the context of the moves already taken (see
+`greedy_trajectory`). Each budget's plan is then verified on held-out calibration text and
+stored with its measured quality.
 """
 from __future__ import annotations
 
@@ -141,44 +142,76 @@ def region_states(region: dict, importance: dict, shares: dict) -> list[tuple]:
     return states
 
 
-def choose_states(regions: list[dict], importance: dict, shares: dict, budget: float) -> dict:
-    """Greedy: repeatedly take the move (one region one state further) with the lowest loss
-    increase per FLOP share saved that still fits the budget. Returns {gate: width or 0}."""
-    prunable = [r for r in regions if r["kind"] == "prunable"]
-    states = {r["gate"]: region_states(r, importance, shares) for r in prunable}
+def greedy_trajectory(states: dict[int, list[tuple]], evaluate, max_budget: float,
+                      candidates: int = 4) -> list[tuple[float, dict[int, float]]]:
+    """Greedy search over moves (one region one state further: narrower, then skipped).
+
+    Each step ranks the feasible moves by their skip-alone loss increase per FLOP share saved
+    (the prior), measures the `candidates` best of them *in the context of the moves already
+    taken* with `evaluate({gate: width or 0}) -> loss`, and takes the one with the lowest
+    measured loss increase per share saved. Returns the trajectory [(saved share, choice)],
+    whose prefixes are the plans of growing budgets."""
     position = {gate: 0 for gate in states}
-    saved = 0.0
+    choice: dict[int, float] = {}
+    saved, loss = 0.0, evaluate({})
+    trajectory = [(0.0, {})]
 
-    def move(gate):
+    def gain_and_prior(gate):
         here, nxt = states[gate][position[gate]], states[gate][position[gate] + 1]
-        gain = max(nxt[1] - here[1], 1e-12)
-        return ((nxt[2] - here[2]) / gain, gate, gain)
-    heap = [move(g) for g in states]
-    heapq.heapify(heap)
-    while heap:
-        _, gate, gain = heapq.heappop(heap)
-        if saved + gain > budget + 1e-9:
-            continue  # this region cannot go further within the budget
-        saved += gain
+        gain = nxt[1] - here[1]
+        return gain, (nxt[2] - here[2]) / max(gain, 1e-12)
+    while True:
+        moves = []
+        for gate in states:
+            if position[gate] + 1 < len(states[gate]):
+                gain, prior = gain_and_prior(gate)
+                if saved + gain <= max_budget + 1e-9:
+                    moves.append((prior, gate, gain))
+        if not moves:
+            return trajectory
+        best = None
+        for _, gate, gain in sorted(moves)[:candidates]:
+            trial = {**choice, gate: states[gate][position[gate] + 1][0]}
+            trial_loss = evaluate(trial)
+            ratio = (trial_loss - loss) / gain
+            if best is None or ratio < best[0]:
+                best = (ratio, gate, gain, trial, trial_loss)
+        _, gate, gain, choice, loss = best
         position[gate] += 1
-        if position[gate] + 1 < len(states[gate]):
-            heapq.heappush(heap, move(gate))
-    return {gate: states[gate][pos][0] for gate, pos in position.items() if pos}
+        saved += gain
+        trajectory.append((saved, dict(choice)))
 
 
-def build_plans(compiled, importance: dict, batches: Batches, grid=BUDGET_GRID) -> list[dict]:
-    """One verified plan per budget of the grid."""
+def choice_to_setting(choice: dict[int, float], num_gates: int):
+    """{gate: width, 0 = skipped} -> (gates, widths or None)."""
+    return apply_plan({"skip_gates": [g for g, w in choice.items() if w == 0],
+                       "widths": {str(g): w for g, w in choice.items() if w > 0}}, num_gates)
+
+
+def build_plans(compiled, importance: dict, batches: Batches, grid=BUDGET_GRID,
+                candidates: int = 4) -> list[dict]:
+    """Plans for the budget grid from one greedy trajectory on the calibration batches, each
+    verified on the held-out batches."""
+    calib = Evaluator(compiled, batches.calibration)
     heldout = Evaluator(compiled, batches.heldout)
-    plans = [{"budget": 0.0, "skip_gates": [], "widths": {}, "skipped_share": 0.0,
-              "heldout": heldout([True] * compiled.num_gates)}]
-    for budget in grid:
-        chosen = choose_states(compiled.regions, importance, compiled.width_shares, budget)
-        plan = {"budget": budget,
-                "skip_gates": sorted(g for g, w in chosen.items() if w == 0),
-                "widths": {str(g): w for g, w in sorted(chosen.items()) if w > 0}}
-        gates, widths = apply_plan(plan, compiled.num_gates)
-        plan["skipped_share"] = compiled.skipped_share(gates, widths)
-        plan["heldout"] = heldout(gates, widths)
+    states = {r["gate"]: region_states(r, importance, compiled.width_shares)
+              for r in compiled.regions if r["kind"] == "prunable"}
+    steps = [0]
+
+    def evaluate(choice):
+        steps[0] += 1
+        return calib(*choice_to_setting(choice, compiled.num_gates))["loss"]
+
+    trajectory = greedy_trajectory(states, evaluate, max(grid), candidates)
+    say(f"  greedy search: {len(trajectory) - 1} moves, {steps[0]} measured settings")
+    plans = []
+    for budget in (0.0, *grid):
+        saved, choice = max((t for t in trajectory if t[0] <= budget + 1e-9), key=lambda t: t[0])
+        gates, widths = choice_to_setting(choice, compiled.num_gates)
+        plan = {"budget": budget, "skip_gates": [i for i, g in enumerate(gates) if not g],
+                "widths": {str(g): w for g, w in sorted(choice.items()) if w > 0},
+                "skipped_share": compiled.skipped_share(gates, widths),
+                "heldout": heldout(gates, widths)}
         plans.append(plan)
         say(f"  plan {budget:.2f}: skips {len(plan['skip_gates'])} regions, narrows "
             f"{len(plan['widths'])} ({plan['skipped_share']:.1%} of prunable FLOPs), held-out "

@@ -68,23 +68,28 @@ def test_plans_respect_their_budget_and_are_verified(calibrated_llama):
     assert [i for i, g in enumerate(gates) if not g] == plans[3]["skip_gates"]
 
 
-def test_greedy_takes_cheapest_loss_per_flop_moves_within_budget():
-    from rbcompile.calibrate import choose_states
-    regions = [{"kind": "prunable", "id": i, "gate": i, "prunable_share": 0.25} for i in range(4)]
-    importance = {"regions": {
-        "0": {"loss_increase": 1.0, "width_loss_increase": {"0.5": 0.01}},
-        "1": {"loss_increase": 0.02, "width_loss_increase": {"0.5": 0.01}},
-        "2": {"loss_increase": 5.0, "width_loss_increase": {"0.5": 2.0}},
-        "3": {"loss_increase": 0.5, "width_loss_increase": {"0.5": 0.4}}}}
-    shares = {i: {0.5: 0.125} for i in range(4)}
-    assert choose_states(regions, importance, shares, 0.0) == {}
-    # cheapest first: narrow 0 and 1 (0.01 / 0.125 each), then skip 1 (+0.01 / 0.125)
-    assert choose_states(regions, importance, shares, 0.25) == {0: 0.5, 1: 0.5}
-    assert choose_states(regions, importance, shares, 0.375) == {0: 0.5, 1: 0.0}
-    for budget in (0.1, 0.3, 0.6, 1.0):
-        chosen = choose_states(regions, importance, shares, budget)
-        saved = sum(0.25 if w == 0 else 0.125 for w in chosen.values())
-        assert saved <= budget + 1e-9
+def test_greedy_search_measures_moves_in_context_and_respects_budget():
+    from rbcompile.calibrate import greedy_trajectory
+    # (width or 0, share saved, skip-alone loss increase) per gate
+    states = {0: [(1.0, 0, 0), (0.5, 0.125, 0.01), (0.0, 0.25, 1.0)],
+              1: [(1.0, 0, 0), (0.5, 0.125, 0.01), (0.0, 0.25, 0.02)],
+              2: [(1.0, 0, 0), (0.0, 0.25, 5.0)]}
+    measured = []
+
+    def evaluate(choice):  # additive, except skipping 1 costs a lot once 0 is narrowed
+        measured.append(dict(choice))
+        loss = {0: {0.5: 0.01, 0.0: 1.0}, 1: {0.5: 0.01, 0.0: 0.02}, 2: {0.0: 5.0}}
+        total = sum(loss[g][w] for g, w in choice.items())
+        return total + (3.0 if choice.get(1) == 0.0 and 0 in choice else 0.0)
+
+    trajectory = greedy_trajectory(states, evaluate, max_budget=0.5, candidates=3)
+    saved = [s for s, _ in trajectory]
+    assert saved == sorted(saved) and saved[-1] <= 0.5
+    choices = [c for _, c in trajectory]
+    assert choices[:3] == [{}, {0: 0.5}, {0: 0.5, 1: 0.5}]
+    # in context, skipping 1 is expensive, so the search skips 0 instead
+    assert choices[3] == {0: 0.0, 1: 0.5}
+    assert measured[0] == {}
 
 
 def test_calibration_survives_save_and_load(calibrated_llama, tmp_path):
