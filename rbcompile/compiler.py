@@ -62,7 +62,7 @@ CALIBRATION_DEFAULTS = {"decoder": {"samples": 8, "seq": 256, "batch": 4},
                         "encoder": {"samples": 256, "seq": 128, "batch": 32}}
 
 
-def add_width_levels(compiled, gm, ctx, eager, levels) -> None:
+def add_width_levels(compiled, ctx, eager, levels) -> None:
     """Trace the narrowed width levels and regenerate the module with their methods."""
     from .runtime.plans import width_shares
     from .width import build_variant
@@ -118,7 +118,7 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
         ctx.width_importance = measure_width_importance(eager, ctx.units, compiled.family,
                                                         batches.calibration)
     run_pipeline(gm, ctx, CALIBRATED_PIPELINE)
-    add_width_levels(compiled, gm, ctx, eager, width_levels)
+    add_width_levels(compiled, ctx, eager, width_levels)
     with step("measuring each region skipped and at each width level"):
         importance = measure_importance(compiled, batches)
     with step("choosing and verifying plans on held-out text"):
