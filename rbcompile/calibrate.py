@@ -10,7 +10,6 @@ stored with its measured quality.
 """
 from __future__ import annotations
 
-import heapq
 
 from contextlib import contextmanager
 
@@ -69,20 +68,24 @@ def _influence(pairs, masks) -> float:
 
 
 class Evaluator:
-    """Runs gate settings over a fixed set of batches and reports quality vs the full path."""
+    """Runs gate settings over a fixed set of batches and reports quality vs the full path
+    (or, with a task head and labels, the task loss and accuracy)."""
 
-    def __init__(self, compiled, batches):
+    def __init__(self, compiled, batches, labels=None, head=None):
         self.compiled = compiled
         self.batches = batches
         self.family = compiled.family
+        self.task = head is not None and labels is not None
+        self.labels = labels if self.task else [None] * len(batches)
+        self.head = head
         self.references = [quality.reference(self.family, compiled(ids, mask), mask)
                            for ids, mask in batches]
 
     def __call__(self, gates, widths=None) -> dict:
         parts = [quality.measure(self.family, self.compiled(ids, mask, gates=gates, widths=widths),
-                                 ids, mask, ref)
-                 for (ids, mask), ref in zip(self.batches, self.references)]
-        return quality.summarise(self.family, parts)
+                                 ids, mask, ref, labels, self.head)
+                 for (ids, mask), ref, labels in zip(self.batches, self.references, self.labels)]
+        return quality.summarise(self.family, parts, self.task)
 
 
 def layer_influence(compiled, records, masks) -> dict[int, float]:
@@ -99,9 +102,9 @@ def layer_influence(compiled, records, masks) -> dict[int, float]:
     return out
 
 
-def measure_importance(compiled, batches: Batches) -> dict:
+def measure_importance(compiled, batches: Batches, head=None) -> dict:
     """Block Influence and skip-alone loss increase of every prunable region."""
-    calib = Evaluator(compiled, batches.calibration)
+    calib = Evaluator(compiled, batches.calibration, batches.calibration_labels, head)
     prunable = [r for r in compiled.regions if r["kind"] == "prunable"]
     full_gates = [True] * compiled.num_gates
     masks = [mask for _, mask in batches.calibration]
@@ -143,7 +146,7 @@ def region_states(region: dict, importance: dict, shares: dict) -> list[tuple]:
 
 
 def greedy_trajectory(states: dict[int, list[tuple]], evaluate, max_budget: float,
-                      candidates: int = 4) -> list[tuple[float, dict[int, float]]]:
+                      candidates: int = 4, report=None) -> list[tuple[float, dict[int, float]]]:
     """Greedy search over moves (one region one state further: narrower, then skipped).
 
     Each step ranks the feasible moves by their skip-alone loss increase per FLOP share saved
@@ -180,6 +183,8 @@ def greedy_trajectory(states: dict[int, list[tuple]], evaluate, max_budget: floa
         position[gate] += 1
         saved += gain
         trajectory.append((saved, dict(choice)))
+        if report:
+            report(saved, loss)
 
 
 def choice_to_setting(choice: dict[int, float], num_gates: int):
@@ -189,11 +194,11 @@ def choice_to_setting(choice: dict[int, float], num_gates: int):
 
 
 def build_plans(compiled, importance: dict, batches: Batches, grid=BUDGET_GRID,
-                candidates: int = 4) -> list[dict]:
+                candidates: int = 4, head=None) -> list[dict]:
     """Plans for the budget grid from one greedy trajectory on the calibration batches, each
     verified on the held-out batches."""
-    calib = Evaluator(compiled, batches.calibration)
-    heldout = Evaluator(compiled, batches.heldout)
+    calib = Evaluator(compiled, batches.calibration, batches.calibration_labels, head)
+    heldout = Evaluator(compiled, batches.heldout, batches.heldout_labels, head)
     states = {r["gate"]: region_states(r, importance, compiled.width_shares)
               for r in compiled.regions if r["kind"] == "prunable"}
     steps = [0]
@@ -202,7 +207,11 @@ def build_plans(compiled, importance: dict, batches: Batches, grid=BUDGET_GRID,
         steps[0] += 1
         return calib(*choice_to_setting(choice, compiled.num_gates))["loss"]
 
-    trajectory = greedy_trajectory(states, evaluate, max(grid), candidates)
+    def report(saved, loss):
+        say(f"  greedy move {steps[0]} settings measured: {saved:.1%} of prunable FLOPs saved, "
+            f"calibration loss {loss:.4f}")
+
+    trajectory = greedy_trajectory(states, evaluate, max(grid), candidates, report)
     say(f"  greedy search: {len(trajectory) - 1} moves, {steps[0]} measured settings")
     plans = []
     for budget in (0.0, *grid):
@@ -219,21 +228,26 @@ def build_plans(compiled, importance: dict, batches: Batches, grid=BUDGET_GRID,
     return plans
 
 
-def _width_loss(family: str, model, ids, mask, generator) -> torch.Tensor:
-    """Decoders: next-token loss. Encoders (no task head): the pooled embedding projected on
-    fixed random directions, so |A^T dL/dA| measures how much a head or channel moves it."""
+def _width_loss(family: str, model, ids, mask, generator, labels=None, head=None) -> torch.Tensor:
+    """Decoders: next-token loss. Encoders: the task loss with a head and labels; otherwise the
+    pooled embedding projected on fixed random directions, so |A^T dL/dA| measures how much a
+    head or channel moves it."""
     if family == "decoder":
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
         weight = (mask[:, 1:] * mask[:, :-1]).bool()
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                reduction="none").view_as(weight)
         return loss[weight].mean()
-    pooled = quality.mean_pool(model(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    if head is not None and labels is not None:
+        return F.cross_entropy(quality.head_logits(head, hidden, mask), labels)
+    pooled = quality.mean_pool(hidden, mask)
     directions = torch.randn(pooled.shape, generator=generator)
     return (pooled * directions).sum()
 
 
-def measure_width_importance(model, units, family: str, batches) -> dict[str, dict[str, list[float]]]:
+def measure_width_importance(model, units, family: str, batches, labels=None,
+                             head=None) -> dict[str, dict[str, list[float]]]:
     """Per attention head: E|A_h^T dL/dA_h| (Michel et al. 2019), A_h = the head's slice of the
     output projection's input; per MLP channel: E|a_c dL/da_c| (first-order Taylor). Summed per
     sample over positions, averaged over samples, L2-normalised per layer."""
@@ -253,9 +267,9 @@ def measure_width_importance(model, units, family: str, batches) -> dict[str, di
     try:
         for param in model.parameters():
             param.requires_grad_(True)
-        for ids, mask in batches:
+        for (ids, mask), batch_labels in zip(batches, labels or [None] * len(batches)):
             with torch.enable_grad():
-                loss = _width_loss(family, model, ids, mask, generator)
+                loss = _width_loss(family, model, ids, mask, generator, batch_labels, head)
                 paths = list(captured)
                 grads = torch.autograd.grad(loss, [captured[p] for p in paths])
             for path, grad in zip(paths, grads):

@@ -22,6 +22,11 @@ DEFAULT_CORPUS = Path(__file__).parent / "data" / "calibration-emma.txt"
 
 def load_texts(source: str | Path) -> list[str]:
     """The texts of a calibration source (see module docstring)."""
+    return load_labelled(source)[0]
+
+
+def load_labelled(source: str | Path) -> tuple[list[str], list[int] | None]:
+    """(texts, labels): labels when every JSONL object has an integer "label", else None."""
     path = DEFAULT_CORPUS if str(source) == DEFAULT_SOURCE else Path(source)
     if not path.is_file():
         raise UserError(f"calibration source not found: {source}")
@@ -29,6 +34,7 @@ def load_texts(source: str | Path) -> list[str]:
         raw = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"calibration source {path} is not UTF-8 text (byte {exc.start})") from None
+    labels: list = []
     if path.suffix == ".jsonl":
         texts = []
         for number, line in enumerate(raw.splitlines(), 1):
@@ -41,13 +47,15 @@ def load_texts(source: str | Path) -> list[str]:
             text = item.get("text") if isinstance(item, dict) else item
             if not isinstance(text, str):
                 raise UserError(f'{path}:{number}: expected a string or an object with "text"')
-            texts.append(text)
+            if text.strip():
+                texts.append(text)
+                labels.append(item.get("label") if isinstance(item, dict) else None)
     else:
-        texts = [raw]
-    texts = [t for t in texts if t.strip()]
+        texts = [raw] if raw.strip() else []
     if not texts:
         raise UserError(f"calibration source {path} has no text")
-    return texts
+    labelled = all(isinstance(x, int) and not isinstance(x, bool) for x in labels) and labels
+    return texts, (labels if labelled else None)
 
 
 @dataclass
@@ -55,6 +63,8 @@ class Batches:
     """Token batches for calibration and for held-out verification."""
     calibration: list[tuple[torch.Tensor, torch.Tensor]]
     heldout: list[tuple[torch.Tensor, torch.Tensor]]
+    calibration_labels: list[torch.Tensor] | None = None  # per batch, for a task loss
+    heldout_labels: list[torch.Tensor] | None = None
 
 
 def _batched(ids: torch.Tensor, mask: torch.Tensor, batch_size: int):
@@ -77,14 +87,18 @@ def decoder_windows(tokenizer, texts: list[str], seq_len: int, windows: int) -> 
 
 
 def make_batches(tokenizer, texts: list[str], family: str, *, seq_len: int, samples: int,
-                 batch_size: int, heldout_fraction: float = 0.25) -> Batches:
-    """Split the source into calibration and held-out batches (held-out = the last samples)."""
+                 batch_size: int, heldout_fraction: float = 0.25, labels=None) -> Batches:
+    """Split the source into calibration and held-out batches (held-out = the last samples).
+    Encoders with `labels` (one per text) read each text as one sample and keep its label."""
     if family == "decoder":
         ids = decoder_windows(tokenizer, texts, seq_len, samples)
         mask = torch.ones_like(ids)
     else:
-        sentences = [" ".join(p.split()) for text in texts for p in re.split(r"\n\s*\n", text)
-                     if p.strip()][:samples]
+        if labels is not None:
+            sentences, labels = texts[:samples], torch.tensor(labels[:samples])
+        else:
+            sentences = [" ".join(p.split()) for text in texts for p in re.split(r"\n\s*\n", text)
+                         if p.strip()][:samples]
         enc = tokenizer(sentences, return_tensors="pt", padding=True, truncation=True,
                         max_length=seq_len)
         ids, mask = enc["input_ids"], enc["attention_mask"]
@@ -92,5 +106,9 @@ def make_batches(tokenizer, texts: list[str], family: str, *, seq_len: int, samp
         raise UserError("calibration source gives fewer than 2 samples; give more text")
     heldout = max(1, int(round(len(ids) * heldout_fraction)))
     split = len(ids) - heldout
-    return Batches(_batched(ids[:split], mask[:split], batch_size),
-                   _batched(ids[split:], mask[split:], batch_size))
+    batches = Batches(_batched(ids[:split], mask[:split], batch_size),
+                      _batched(ids[split:], mask[split:], batch_size))
+    if family == "encoder" and labels is not None:
+        batches.calibration_labels = list(labels[:split].split(batch_size))
+        batches.heldout_labels = list(labels[split:].split(batch_size))
+    return batches

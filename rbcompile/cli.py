@@ -44,6 +44,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-samples", type=int, default=None,
                    help="calibration samples (decoders: windows; encoders: paragraphs)")
     p.add_argument("--calib-seq", type=int, default=None, help="tokens per calibration sample")
+    p.add_argument("--calib-head", metavar="HEAD",
+                   help="encoders: a linear classifier head (safetensors: weight, bias); with "
+                   "labelled JSONL calibration data, calibrate on its task loss")
     p.add_argument("--width-levels", type=_levels, default="0.75,0.5",
                    help="with --calib: narrower widths each region may run at (default 0.75,0.5)")
     p.add_argument("--width-floor", type=float, default=0.5,
@@ -96,7 +99,8 @@ def _cmd_compile(args) -> None:
         logging.basicConfig(level=logging.INFO, format="  %(message)s")
     model = rbcompile.compile(args.model, dump_pass=args.dump_pass, calib=args.calib,
                               calib_samples=args.calib_samples, calib_seq=args.calib_seq,
-                              width_levels=args.width_levels, width_floor=args.width_floor)
+                              width_levels=args.width_levels, width_floor=args.width_floor,
+                              calib_head=args.calib_head)
     for entry in model.manifest["passes"]:
         say(f"  pass {entry['pass']}: {entry['summary']}")
     with step(f"writing artifact {args.output}"):
@@ -204,7 +208,8 @@ def _cmd_curve(args) -> None:
     from pathlib import Path
 
     import rbcompile
-    from .curve import format_table, load_classifier, load_eval_data, plot, sweep
+    from .curve import format_table, load_eval_data, plot, sweep
+    from .quality import load_head
     from .errors import UserError
     from .progress import step
 
@@ -214,7 +219,7 @@ def _cmd_curve(args) -> None:
     if min(settings.values()) < 1 or args.rounds < 1:
         raise UserError("--samples, --seq, --batch and --rounds must be >= 1")
     data = load_eval_data(model, args.data, **settings)
-    classifier = load_classifier(args.classifier) if args.classifier else None
+    classifier = load_head(args.classifier) if args.classifier else None
     with step(f"measuring {len(model.plans or [])} plans and the static baseline on "
               f"{args.data or 'the bundled Tempest excerpt'}"):
         result = sweep(model, data, classifier=classifier, rounds=args.rounds)

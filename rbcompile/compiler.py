@@ -96,12 +96,13 @@ def check_width_levels(levels, floor: float) -> tuple[float, ...]:
 
 def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None,
                     seq: int | None = None, width_levels=DEFAULT_LEVELS,
-                    width_floor: float = 0.5) -> None:
+                    width_floor: float = 0.5, head_path=None) -> None:
     """Measure region and head/channel importance, reorder heads and channels by importance
     (CALIBRATED_PIPELINE), add width levels, and choose verified plans; all of it goes into
     the manifest."""
     from .calibrate import build_plans, measure_importance, measure_width_importance
-    from .calibration_data import load_texts, make_batches
+    from .calibration_data import load_labelled, make_batches
+    from .quality import load_head
 
     defaults = CALIBRATION_DEFAULTS[compiled.family]
     samples, seq = samples or defaults["samples"], seq or defaults["seq"]
@@ -109,21 +110,30 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
         raise UserError("--calib-samples and --calib-seq must be >= 2")
     width_levels = check_width_levels(width_levels, width_floor)
     seq = min(seq, compiled.max_positions)
-    texts = load_texts(source)
+    texts, labels = load_labelled(source)
+    head = load_head(head_path) if head_path else None
+    if head is not None and (compiled.family != "encoder" or labels is None):
+        raise UserError("--calib-head needs an encoder and JSONL calibration data with an "
+                        "integer \"label\" on every line")
     batches = make_batches(compiled.tokenizer, texts, compiled.family, seq_len=seq,
-                           samples=samples, batch_size=defaults["batch"])
+                           samples=samples, batch_size=defaults["batch"],
+                           labels=labels if head is not None else None)
     say(f"calibrating on {source}: {sum(len(b[0]) for b in batches.calibration)} samples x <= "
         f"{seq} tokens, {sum(len(b[0]) for b in batches.heldout)} held out")
     with step("measuring head and channel importance (gradients)"):
         ctx.width_importance = measure_width_importance(eager, ctx.units, compiled.family,
-                                                        batches.calibration)
+                                                        batches.calibration,
+                                                        batches.calibration_labels, head)
     run_pipeline(gm, ctx, CALIBRATED_PIPELINE)
     add_width_levels(compiled, ctx, eager, width_levels)
     with step("measuring each region skipped and at each width level"):
-        importance = measure_importance(compiled, batches)
+        importance = measure_importance(compiled, batches, head)
     with step("choosing and verifying plans on held-out text"):
-        plans = build_plans(compiled, importance, batches)
+        plans = build_plans(compiled, importance, batches, head=head)
     compiled.manifest["calibration"] = {"source": str(source), "samples": samples, "seq": seq,
+                                        "loss": ("task head " + str(head_path)) if head else
+                                        ("next-token" if compiled.family == "decoder" else
+                                         "1 - cosine to the full path"),
                                         **importance, "width": ctx.width_importance,
                                         "permutations": ctx.permutations}
     compiled.manifest["plans"] = compiled.plans = plans
@@ -131,7 +141,7 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
 
 def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                   calib_samples: int | None = None, calib_seq: int | None = None,
-                  width_levels=DEFAULT_LEVELS, width_floor: float = 0.5):
+                  width_levels=DEFAULT_LEVELS, width_floor: float = 0.5, calib_head=None):
     """Compile a bundled model name, a checkpoint folder or a loaded transformers model;
     with `calib` (a text source), also calibrate importance and budget plans."""
     from .compiled import CompiledModel
@@ -168,5 +178,5 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                              tokenizer_dir=checkpoint, hf_config=model.config.to_dict())
     if calib is not None:
         calibrate_model(compiled, gm, ctx, model, calib, calib_samples, calib_seq,
-                        width_levels, width_floor)
+                        width_levels, width_floor, calib_head)
     return compiled

@@ -3,7 +3,6 @@ baseline, measured on held-out real data in one run (quality and latency side by
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from pathlib import Path
 import torch
 
 from . import quality
-from .calibration_data import decoder_windows, load_texts
+from .calibration_data import decoder_windows, load_labelled, load_texts
 from .errors import UserError
 from .progress import say
 
@@ -47,27 +46,11 @@ def load_eval_data(compiled, source, *, samples: int, seq: int, batch: int) -> E
 
 
 def _texts_and_labels(path: Path) -> tuple[list[str], list[int] | None]:
-    if path.suffix != ".jsonl":
-        return [" ".join(p.split()) for p in load_texts(path)[0].split("\n\n") if p.strip()], None
-    texts, labels = [], []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            item = json.loads(line)
-            texts.append(item["text"] if isinstance(item, dict) else item)
-            labels.append(item.get("label") if isinstance(item, dict) else None)
-    if not texts:
-        raise UserError(f"evaluation data {path} has no text")
-    return texts, labels if all(isinstance(x, int) for x in labels) else None
-
-
-def load_classifier(path) -> tuple[torch.Tensor, torch.Tensor]:
-    """A linear head over mean-pooled, normalised embeddings: safetensors with weight and bias."""
-    from safetensors.torch import load_file
-    try:
-        tensors = load_file(str(path))
-        return tensors["weight"], tensors["bias"]
-    except Exception as exc:
-        raise UserError(f"cannot read classifier head {path}: {exc}") from None
+    """JSONL: one text (and label) per line; plain text: one text per paragraph."""
+    texts, labels = load_labelled(path)
+    if path.suffix == ".jsonl":
+        return texts, labels
+    return [" ".join(p.split()) for p in texts[0].split("\n\n") if p.strip()], None
 
 
 def static_bi_gates(compiled, budget: float) -> list[bool]:
@@ -93,8 +76,7 @@ def _quality(compiled, data: EvalData, gates, widths, references, classifier) ->
         out = compiled(ids, mask, gates=gates, widths=widths)
         parts.append(quality.measure(compiled.family, out, ids, mask, ref))
         if classifier is not None and data.labels is not None:
-            weight, bias = classifier
-            logits = quality.mean_pool(out["last_hidden_state"], mask) @ weight.T + bias
+            logits = quality.head_logits(classifier, out["last_hidden_state"], mask)
             correct += int((logits.argmax(-1) == data.labels[index]).sum())
             total += len(ids)
     result = quality.summarise(compiled.family, parts)

@@ -2,7 +2,8 @@
 
 Decoders: next-token cross-entropy on the real tokens (lower is better; perplexity = exp) and
 top-1 agreement with the full path. Encoders: cosine of mean-pooled embeddings to the full path;
-the calibration loss is 1 - cosine.
+the calibration loss is 1 - cosine. Encoders with a task head (a linear classifier over the
+pooled embedding) and labels: cross-entropy of the head, and accuracy.
 """
 from __future__ import annotations
 
@@ -22,9 +23,31 @@ def reference(family: str, outputs: dict, mask: torch.Tensor) -> torch.Tensor:
     return mean_pool(outputs["last_hidden_state"], mask)
 
 
+def load_head(path) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear head over mean-pooled embeddings: safetensors with `weight` and `bias`."""
+    from safetensors.torch import load_file
+
+    from .errors import UserError
+    try:
+        tensors = load_file(str(path))
+        return tensors["weight"], tensors["bias"]
+    except Exception as exc:
+        raise UserError(f"cannot read classifier head {path}: {exc}") from None
+
+
+def head_logits(head, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    weight, bias = head
+    return mean_pool(hidden, mask) @ weight.T + bias
+
+
 def measure(family: str, outputs: dict, input_ids: torch.Tensor, mask: torch.Tensor,
-            full_reference: torch.Tensor) -> dict:
+            full_reference: torch.Tensor, labels=None, head=None) -> dict:
     """Sums (not means) so batches can be added up: see `summarise`."""
+    if family == "encoder" and head is not None and labels is not None:
+        logits = head_logits(head, outputs["last_hidden_state"], mask)
+        return {"loss_sum": F.cross_entropy(logits, labels, reduction="sum").item(),
+                "count": len(labels), "agree_sum": int((logits.argmax(-1) == labels).sum()),
+                "agree_count": len(labels)}
     if family == "decoder":
         logits = outputs["logits"][:, :-1]
         targets = input_ids[:, 1:]
@@ -39,11 +62,11 @@ def measure(family: str, outputs: dict, input_ids: torch.Tensor, mask: torch.Ten
             "agree_sum": cosine.sum().item(), "agree_count": len(cosine)}
 
 
-def summarise(family: str, parts: list[dict]) -> dict:
+def summarise(family: str, parts: list[dict], task: bool = False) -> dict:
     total = {k: sum(p[k] for p in parts) for k in parts[0]}
     loss = total["loss_sum"] / total["count"]
     agreement = total["agree_sum"] / total["agree_count"]
     if family == "decoder":
         return {"loss": loss, "perplexity": float(torch.tensor(loss).exp()),
                 "top1_agreement": agreement}
-    return {"loss": loss, "cosine": agreement}
+    return {"loss": loss, "accuracy" if task else "cosine": agreement}

@@ -40,6 +40,14 @@ def kept_counts(unit, ratio: float) -> dict[str, int]:
     return counts
 
 
+def _parameter(model, name: str):
+    module_path, attr = name.rsplit(".", 1)
+    try:
+        return getattr(model.get_submodule(module_path), attr, None)
+    except AttributeError:
+        return None
+
+
 def _narrow_parameter(model, name: str, axis: int, length: int) -> None:
     module_path, attr = name.rsplit(".", 1)
     module = model.get_submodule(module_path)
@@ -69,12 +77,8 @@ def narrowed_model(eager, weights: dict[str, torch.Tensor], units, blocks, ratio
                 continue  # fused q/k/v: a prefix would not be a view
             for suffix, axis, space, _ in entries:
                 name = f"{block_path}.{suffix}"
-                module_path, attr = name.rsplit(".", 1)
-                try:
-                    present = getattr(model.get_submodule(module_path), attr, None) is not None
-                except AttributeError:
-                    present = False
-                if present:
+                tensor = _parameter(model, name)
+                if tensor is not None and counts[space] < tensor.shape[axis]:
                     _narrow_parameter(model, name, axis, counts[space])
                     views[name] = (axis, counts[space])
     return model.eval(), views
