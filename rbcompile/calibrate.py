@@ -208,8 +208,8 @@ def build_plans(compiled, importance: dict, batches: Batches, grid=BUDGET_GRID,
         return calib(*choice_to_setting(choice, compiled.num_gates))["loss"]
 
     def report(saved, loss):
-        say(f"  greedy move {steps[0]} settings measured: {saved:.1%} of prunable FLOPs saved, "
-            f"calibration loss {loss:.4f}")
+        say(f"  greedy search: {saved:.1%} of prunable FLOPs saved, calibration loss "
+            f"{loss:.4f} ({steps[0]} settings measured)")
 
     trajectory = greedy_trajectory(states, evaluate, max(grid), candidates, report)
     say(f"  greedy search: {len(trajectory) - 1} moves, {steps[0]} measured settings")
