@@ -34,7 +34,8 @@ bench: $(STAMP)
 MR := $(or $(RBCOMPILE_CACHE),$(HOME)/.cache/rbcompile)/mr
 curves: $(STAMP)
 	$(PY) benchmarks/prepare_classifier.py
-	$(VENV)/bin/rbcompile compile $(MR)/encoder --calib $(MR)/train.jsonl -o build/minilm-mr
+	$(VENV)/bin/rbcompile compile $(MR)/encoder --calib $(MR)/train.jsonl --calib-head $(MR)/head.safetensors \
+		--calib-samples 512 -o build/minilm-mr
 	$(VENV)/bin/rbcompile curve build/minilm-mr --data $(MR)/test.jsonl --classifier $(MR)/head.safetensors
 	$(VENV)/bin/rbcompile compile smollm2-135m --calib default -o build/smollm2-calib
 	$(VENV)/bin/rbcompile curve build/smollm2-calib

@@ -112,12 +112,19 @@ def _cmd_compile(args) -> None:
           f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}), {model.num_gates} gates")
 
 
-def _region_rows(regions, skipped: set[int]):
-    rows = [("id", "kind", "unit", "gate", "module path", "FLOPs", "skip" if skipped is not None else "")]
+def _region_rows(regions, setting):
+    """Table rows; with a budget's (gates, widths), what each prunable region does."""
+    rows = [("id", "kind", "unit", "gate", "module path", "FLOPs", "budget" if setting else "")]
     for r in regions:
+        action = ""
+        if setting and r["kind"] == "prunable":
+            gates, widths = setting
+            if not gates[r["gate"]]:
+                action = "SKIP"
+            elif widths and widths[r["gate"]] < 1:
+                action = f"width {widths[r['gate']]:g}"
         rows.append((str(r["id"]), r["kind"], r.get("unit_kind", "-"), str(r.get("gate", "-")),
-                     r["module_path"], f"{r['flops_share']:.1%}",
-                     ("SKIP" if r["id"] in skipped else "") if skipped is not None else ""))
+                     r["module_path"], f"{r['flops_share']:.1%}", action))
     return rows
 
 
@@ -125,32 +132,39 @@ def _cmd_inspect(args) -> None:
     from pathlib import Path
 
     from .compiled import read_manifest
-    from .runtime.plans import gates_for_budget, skipped_share
+    from .runtime.plans import plan_for_budget, skipped_share
 
     manifest = read_manifest(Path(args.artifact))
     regions = manifest["regions"]
-    skipped = None
+    shares = {r["id"]: {float(w): v for w, v in r["width_shares"].items()}
+              for r in regions if "width_shares" in r}
+    setting = None
     if args.budget is not None:
-        gates = gates_for_budget(regions, args.budget, manifest.get("plans"))
-        skipped = {r["id"] for r in regions if r["kind"] == "prunable" and not gates[r["gate"]]}
+        setting = plan_for_budget(regions, args.budget, manifest.get("plans"))
+        gates, widths = setting
+        saved = skipped_share(regions, gates, widths, shares)
+        skipped = [r["id"] for r in regions if r["kind"] == "prunable" and not gates[r["gate"]]]
+        narrowed = {r["id"]: widths[r["gate"]] for r in regions
+                    if widths and r["kind"] == "prunable" and gates[r["gate"]] and widths[r["gate"]] < 1}
     if args.json:
         payload = {"source": manifest["source"], "architecture": manifest["architecture"],
-                   "regions": regions}
-        if skipped is not None:
-            payload["budget"] = {"budget": args.budget, "skipped_regions": sorted(skipped),
-                                 "skipped_prunable_flops": skipped_share(regions, gates)}
+                   "regions": regions, "plans": manifest.get("plans")}
+        if setting:
+            payload["budget"] = {"budget": args.budget, "skipped_regions": skipped,
+                                 "narrowed_regions": narrowed, "skipped_prunable_flops": saved}
         print(json.dumps(payload, indent=1))
         return
     arch = manifest["architecture"]
+    calibrated = "calibrated plans" if manifest.get("plans") else "fixed skip order (no --calib)"
     print(f"{manifest['source']['name']}: {arch['class']} ({arch['model_type']}, {arch['family']}), "
-          f"{arch['layers']} layers, sha256 {manifest['source']['sha256'][:12]}")
-    rows = _region_rows(regions, skipped)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+          f"{arch['layers']} layers, sha256 {manifest['source']['sha256'][:12]}, {calibrated}")
+    rows = _region_rows(regions, setting)
+    widths_ = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    if skipped is not None:
-        print(f"budget {args.budget}: skips {len(skipped)} regions = "
-              f"{skipped_share(regions, gates):.1%} of prunable FLOPs")
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths_)).rstrip())
+    if setting:
+        print(f"budget {args.budget}: skips {len(skipped)} regions, narrows {len(narrowed)} = "
+              f"{saved:.1%} of prunable FLOPs")
 
 
 def _cmd_run(args) -> None:

@@ -175,7 +175,10 @@ class CompiledModel:
                 **{k: v for k, v in self.manifest.items() if k not in ("schema_version", "files",
                                                                        "regions", "created",
                                                                        "rbcompile_version")},
-                "regions": [{k: r[k] for k in r if k not in ("inputs", "outputs", "skip")}
+                "regions": [{**{k: r[k] for k in r if k not in ("inputs", "outputs", "skip")},
+                             **({"width_shares": {str(w): v for w, v in
+                                                  self.width_shares[r["id"]].items()}}
+                                if r["id"] in self.width_shares else {})}
                             for r in self.regions],
                 "files": {"graph": GRAPH, "graph_sha256": _sha256(graph_bytes),
                           "source": SOURCE, "source_sha256": _sha256(self.source.encode()),

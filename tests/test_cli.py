@@ -47,7 +47,7 @@ def test_inspect_table_json_and_budget(llama_artifact, capsys):
     assert "model.layers.3.mlp" in table and "SKIP" not in table
     assert main(["inspect", str(llama_artifact), "--budget", "0.4"]) == 0
     table = capsys.readouterr().out
-    assert "SKIP" in table and "budget 0.4: skips" in table
+    assert "SKIP" in table and "budget 0.4: skips" in table and "fixed skip order" in table
     assert main(["inspect", str(llama_artifact), "--json", "--budget", "0.4"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert 0 < payload["budget"]["skipped_prunable_flops"] <= 0.4

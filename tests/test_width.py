@@ -96,3 +96,14 @@ def test_cli_rejects_levels_below_the_floor(tiny_checkpoints, calib_file, tmp_pa
                  str(calib_file), "--width-levels", "0.75,0.25"]) == 2
     assert "width levels must be in [0.5, 1)" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_inspect_shows_narrowed_regions(calibrated_tiny, tmp_path, capsys):
+    from rbcompile.cli import main
+    compiled = calibrated_tiny["llama"]
+    art = compiled.save(tmp_path / "llama")
+    plan = next(p for p in compiled.plans if p["widths"])
+    assert main(["inspect", str(art), "--budget", str(plan["budget"])]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated plans" in out and "width 0." in out
+    assert f"narrows {len(plan['widths'])} = {plan['skipped_share']:.1%}" in out
