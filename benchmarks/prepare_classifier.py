@@ -9,7 +9,8 @@
 
     python benchmarks/prepare_classifier.py        # prints the cache folder when done
 Then:
-    rbcompile compile CACHE/encoder --calib CACHE/train.jsonl -o build/minilm-mr
+    rbcompile compile CACHE/encoder --calib CACHE/train.jsonl --calib-head CACHE/head.safetensors \
+        --calib-samples 512 -o build/minilm-mr
     rbcompile curve build/minilm-mr --data CACHE/test.jsonl --classifier CACHE/head.safetensors
 """
 from __future__ import annotations
