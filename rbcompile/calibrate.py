@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from . import quality
-from .calibration_data import Batches
 from .codegen import method_name
 from .progress import say
 from .runtime.plans import apply_plan
@@ -102,12 +101,12 @@ def layer_influence(compiled, records, masks) -> dict[int, float]:
     return out
 
 
-def measure_importance(compiled, batches: Batches, head=None) -> dict:
-    """Block Influence and skip-alone loss increase of every prunable region."""
-    calib = Evaluator(compiled, batches.calibration, batches.calibration_labels, head)
+def measure_importance(compiled, calib: Evaluator) -> dict:
+    """Block Influence and skip-alone / narrow-alone loss increase of every prunable region,
+    on the calibration batches of `calib`."""
     prunable = [r for r in compiled.regions if r["kind"] == "prunable"]
     full_gates = [True] * compiled.num_gates
-    masks = [mask for _, mask in batches.calibration]
+    masks = [mask for _, mask in calib.batches]
     with capture_streams(compiled) as records:
         base = calib(full_gates)
     influence = {r["id"]: _influence(records[r["id"]], masks) for r in prunable}
@@ -193,12 +192,10 @@ def choice_to_setting(choice: dict[int, float], num_gates: int):
                        "widths": {str(g): w for g, w in choice.items() if w > 0}}, num_gates)
 
 
-def build_plans(compiled, importance: dict, batches: Batches, grid=BUDGET_GRID,
-                candidates: int = 4, head=None) -> list[dict]:
+def build_plans(compiled, importance: dict, calib: Evaluator, heldout: Evaluator,
+                grid=BUDGET_GRID, candidates: int = 4) -> list[dict]:
     """Plans for the budget grid from one greedy trajectory on the calibration batches, each
     verified on the held-out batches."""
-    calib = Evaluator(compiled, batches.calibration, batches.calibration_labels, head)
-    heldout = Evaluator(compiled, batches.heldout, batches.heldout_labels, head)
     states = {r["gate"]: region_states(r, importance, compiled.width_shares)
               for r in compiled.regions if r["kind"] == "prunable"}
     steps = [0]

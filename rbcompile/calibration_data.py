@@ -86,6 +86,11 @@ def decoder_windows(tokenizer, texts: list[str], seq_len: int, windows: int) -> 
     return torch.tensor(stream[: count * seq_len]).view(count, seq_len)
 
 
+def paragraphs(text: str) -> list[str]:
+    """The paragraphs of a text (split at blank lines), each on one line."""
+    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
 def make_batches(tokenizer, texts: list[str], family: str, *, seq_len: int, samples: int,
                  batch_size: int, heldout_fraction: float = 0.25, labels=None) -> Batches:
     """Split the source into calibration and held-out batches (held-out = the last samples).
@@ -97,8 +102,7 @@ def make_batches(tokenizer, texts: list[str], family: str, *, seq_len: int, samp
         if labels is not None:
             sentences, labels = texts[:samples], torch.tensor(labels[:samples])
         else:
-            sentences = [" ".join(p.split()) for text in texts for p in re.split(r"\n\s*\n", text)
-                         if p.strip()][:samples]
+            sentences = [p for text in texts for p in paragraphs(text)][:samples]
         enc = tokenizer(sentences, return_tensors="pt", padding=True, truncation=True,
                         max_length=seq_len)
         ids, mask = enc["input_ids"], enc["attention_mask"]

@@ -100,7 +100,7 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
     """Measure region and head/channel importance, reorder heads and channels by importance
     (CALIBRATED_PIPELINE), add width levels, and choose verified plans; all of it goes into
     the manifest."""
-    from .calibrate import build_plans, measure_importance, measure_width_importance
+    from .calibrate import Evaluator, build_plans, measure_importance, measure_width_importance
     from .calibration_data import load_labelled, make_batches
     from .quality import load_head
 
@@ -127,9 +127,11 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
     run_pipeline(gm, ctx, CALIBRATED_PIPELINE)
     add_width_levels(compiled, ctx, eager, width_levels)
     with step("measuring each region skipped and at each width level"):
-        importance = measure_importance(compiled, batches, head)
+        calib = Evaluator(compiled, batches.calibration, batches.calibration_labels, head)
+        importance = measure_importance(compiled, calib)
     with step("choosing and verifying plans on held-out text"):
-        plans = build_plans(compiled, importance, batches, head=head)
+        heldout = Evaluator(compiled, batches.heldout, batches.heldout_labels, head)
+        plans = build_plans(compiled, importance, calib, heldout)
     compiled.manifest["calibration"] = {"source": str(source), "samples": samples, "seq": seq,
                                         "loss": ("task head " + str(head_path)) if head else
                                         ("next-token" if compiled.family == "decoder" else

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from . import quality
-from .calibration_data import decoder_windows, load_labelled, load_texts
+from .calibration_data import decoder_windows, load_labelled, load_texts, paragraphs
 from .errors import UserError
 from .progress import say
 
@@ -50,7 +50,7 @@ def _texts_and_labels(path: Path) -> tuple[list[str], list[int] | None]:
     texts, labels = load_labelled(path)
     if path.suffix == ".jsonl":
         return texts, labels
-    return [" ".join(p.split()) for p in texts[0].split("\n\n") if p.strip()], None
+    return paragraphs(texts[0]), None
 
 
 def static_bi_gates(compiled, budget: float) -> list[bool]:
