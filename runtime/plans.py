@@ -81,12 +81,11 @@ def width_shares(variants: list[dict]) -> dict[int, dict[float, float]]:
 
 
 def level_for(levels: dict[float, float], width: float) -> float | None:
-    """The width level a request runs at: the smallest level >= width, the lowest (the floor)
-    below it, or None (full width) when width is above every level."""
+    """The width level a request runs at: the smallest level >= width (so a width below the
+    lowest level runs at the lowest: the floor), or None (full width) above every level. The
+    generated code's guarded branches choose the same way."""
     above = [r for r in levels if r >= width]
-    if width >= 1 or not levels:
-        return None
-    return min(above) if above else min(levels)
+    return min(above) if above and width < 1 else None
 
 
 def skipped_share(regions: list[dict], gates: list[bool], widths=None, shares=None) -> float:

@@ -1,0 +1,157 @@
+"""Run a compiled module a few layers at a time, and regroup a batch between layers.
+
+The generated `forward` runs all regions in one go. Early exit, the complexity probe and per-tier
+execution need to stop after a layer, look at the residual stream, and continue with only some
+rows (or only the last positions) of the batch as a smaller batch: regrouping, not masking.
+
+A `Stage` holds the live values after some region. `select` builds the smaller batch: the
+residual stream is sliced, and every other live value (shape symbols, masks, rotary tables) is
+recomputed from the sliced inputs by re-running the input-only regions that made it.
+Regions run through the generated module's own region methods, with the same gate and width
+rules as its `forward` (tests hold `run` equal to `forward`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..codegen import method_name
+from ..errors import CompileError
+from .plans import level_for
+
+
+@dataclass
+class Stage:
+    env: dict                      # live values by name (graph inputs included)
+    position: int = 0              # index of the next region to run
+    stream: str | None = None      # name of the residual stream after the last prunable region
+    rows: torch.Tensor | None = field(default=None)  # original row indices of this batch
+
+
+class StagedRunner:
+    """Region-by-region execution of `compiled.module` (a CompiledModel's generated module)."""
+
+    def __init__(self, compiled):
+        self.module = compiled.module
+        self.regions = compiled.regions
+        self.input_names = list(compiled.ir["inputs"])
+        self.outputs = [(name, var) for name, var in compiled.ir["outputs"]]
+        variants = sorted(compiled.ir.get("variants", []), key=lambda v: -v["ratio"])
+        self.levels = {}  # region id -> {ratio: method name}
+        for variant in variants:
+            for region_id in variant["regions"]:
+                region = self.regions[int(region_id)]
+                self.levels.setdefault(int(region_id), {})[variant["ratio"]] = \
+                    f"{method_name(region)}_{variant['label']}"
+        self.producer = {name: index for index, region in enumerate(self.regions)
+                         for name in region["outputs"]}
+        self.layer_end = {}  # layer -> index of its last region
+        for index, region in enumerate(self.regions):
+            if region["kind"] == "prunable":
+                self.layer_end[region["layer"]] = index
+        self.layers = sorted(self.layer_end)
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Stage:
+        env = dict(zip(self.input_names, (input_ids, attention_mask)))
+        return Stage(env, rows=torch.arange(input_ids.shape[0]))
+
+    def advance(self, stage: Stage, gates, widths=None, until_layer: int | None = None) -> Stage:
+        """Run regions up to and including the last one of `until_layer` (None: to the end)."""
+        stop = len(self.regions) if until_layer is None else self.layer_end[until_layer] + 1
+        for index in range(stage.position, stop):
+            stage.stream = self._run_region(index, stage.env, gates, widths) or stage.stream
+        stage.position = max(stage.position, stop)
+        self._drop_dead(stage)
+        return stage
+
+    def _run_region(self, index: int, env: dict, gates, widths) -> str | None:
+        region = self.regions[index]
+        args = [env[name] for name in region["inputs"]]
+        method = getattr(self.module, method_name(region))
+        if region["kind"] == "cache":
+            values = self.module.region_cache.lookup(region["id"], method, *args)
+        elif region["kind"] == "prunable":
+            (out, stream_in), = region["skip"].items()
+            gate = region["gate"]
+            if not gates[gate]:
+                env[out] = env[stream_in]
+                return out
+            level = (level_for(self.levels[region["id"]], widths[gate])
+                     if widths is not None and region["id"] in self.levels else None)
+            if level is not None:
+                method = getattr(self.module, self.levels[region["id"]][level])
+            values = method(*args)
+            env[out] = values
+            return out
+        else:
+            values = method(*args)
+        outputs = region["outputs"]
+        values = values if len(outputs) > 1 else (values,)
+        env.update(zip(outputs, values))
+        return None
+
+    def _live_after(self, position: int) -> set[str]:
+        """Names made before `position` that later regions or the graph outputs read."""
+        names = {var for _, var in self.outputs}
+        for region in self.regions[position:]:
+            names.update(region["inputs"])
+        return {n for n in names if self.producer.get(n, -1) < position}
+
+    def _drop_dead(self, stage: Stage) -> None:
+        live = self._live_after(stage.position) | set(self.input_names)
+        stage.env = {k: v for k, v in stage.env.items() if k in live}
+
+    def result(self, stage: Stage) -> dict[str, torch.Tensor]:
+        """Graph outputs of a stage that has run to the end."""
+        return {name: stage.env[var] for name, var in self.outputs}
+
+    def run(self, input_ids, attention_mask, gates, widths=None) -> dict[str, torch.Tensor]:
+        return self.result(self.advance(self.start(input_ids, attention_mask), gates, widths))
+
+    # ---- regrouping -------------------------------------------------------------------------
+
+    def stream_value(self, stage: Stage) -> torch.Tensor:
+        if stage.stream is None:
+            raise CompileError("no residual stream yet: advance past a layer first")
+        return stage.env[stage.stream]
+
+    def select(self, stage: Stage, rows: torch.Tensor | None = None,
+               last_positions: int | None = None) -> Stage:
+        """A new stage for `rows` of the batch (and/or only its last positions). The stream is
+        sliced; every other live value is recomputed from the sliced inputs."""
+        stream = self.stream_value(stage)
+        inputs = {name: stage.env[name] for name in self.input_names}
+        if rows is not None:
+            stream = stream.index_select(0, rows)
+            inputs = {k: v.index_select(0, rows) for k, v in inputs.items()}
+        if last_positions is not None:
+            stream = stream[:, -last_positions:]
+            inputs = {k: v[:, -last_positions:] for k, v in inputs.items()}
+        live = self._live_after(stage.position) - {stage.stream} - set(self.input_names)
+        needed = self._input_only_closure(live)
+        env = dict(inputs)
+        full = [True] * self.module.NUM_GATES
+        for index in needed:
+            self._run_region(index, env, full, None)
+        env[stage.stream] = stream
+        new_rows = stage.rows if rows is None else stage.rows.index_select(0, rows)
+        new = Stage(env, stage.position, stage.stream, new_rows)
+        self._drop_dead(new)
+        return new
+
+    def _input_only_closure(self, names: set[str]) -> list[int]:
+        """Indices of the regions that recompute `names` from the graph inputs alone."""
+        needed, pending = set(), [n for n in names if n not in self.input_names]
+        while pending:
+            index = self.producer[pending.pop()]
+            if index in needed:
+                continue
+            if self.regions[index]["kind"] == "prunable":
+                raise CompileError(f"cannot regroup: {self.regions[index]['name']} feeds a "
+                                   "later region other than through the residual stream")
+            needed.add(index)
+            pending += [n for n in self.regions[index]["inputs"] if n not in self.input_names]
+        return sorted(needed)
