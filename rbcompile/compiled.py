@@ -18,6 +18,7 @@ from .errors import UserError
 from .ir import check_ir
 from .models import copy_tokenizer_files
 from .runtime.complexity import LengthRarityComplexity
+from .runtime.early_exit import RAMP_FILE, OffRamps
 from .runtime.plans import check_budget, plan_for_budget, skipped_share, width_shares
 
 SCHEMA_VERSION = 1
@@ -70,6 +71,7 @@ class CompiledModel:
         self.complexity_threshold: float | None = None
         self.plans: list[dict] | None = manifest.get("plans")
         self.width_shares = width_shares(ir.get("variants", []))
+        self.offramps: OffRamps | None = None  # encoders calibrated with a task head
         self._tokenizer = None
 
     # ---- running --------------------------------------------------------------------------
@@ -168,13 +170,19 @@ class CompiledModel:
             (tmp / CONFIG).write_text(json.dumps(self.hf_config, indent=1, default=str))
             tokenizer_files = (copy_tokenizer_files(self.tokenizer_dir, tmp)
                                if self.tokenizer_dir else [])
+            if self.offramps is not None:
+                save_file(self.offramps.tensors(), str(tmp / RAMP_FILE))
             manifest = {
                 "schema_version": SCHEMA_VERSION,
                 "rbcompile_version": __version__,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 **{k: v for k, v in self.manifest.items() if k not in ("schema_version", "files",
                                                                        "regions", "created",
-                                                                       "rbcompile_version")},
+                                                                       "rbcompile_version",
+                                                                       "offramps")},
+                **({"offramps": {"file": RAMP_FILE, "layers": self.offramps.layers,
+                                 "threshold": self.offramps.threshold}}
+                   if self.offramps is not None else {}),
                 "regions": [{**{k: r[k] for k in r if k not in ("inputs", "outputs", "skip")},
                              **({"width_shares": {str(w): v for w, v in
                                                   self.width_shares[r["id"]].items()}}
@@ -264,5 +272,19 @@ def load(path) -> CompiledModel:
     except (FileNotFoundError, json.JSONDecodeError):
         hf_config = {}
     tokenizer_dir = path if files.get("tokenizer") else None
-    return CompiledModel(module, ir, source, manifest, tokenizer_dir=tokenizer_dir,
-                         hf_config=hf_config)
+    compiled = CompiledModel(module, ir, source, manifest, tokenizer_dir=tokenizer_dir,
+                             hf_config=hf_config)
+    if "offramps" in manifest:
+        compiled.offramps = _load_offramps(path, manifest["offramps"])
+    return compiled
+
+
+def _load_offramps(path: Path, spec: dict) -> OffRamps:
+    from safetensors.torch import load_file
+
+    try:
+        return OffRamps.from_tensors(load_file(str(path / RAMP_FILE)), [int(x) for x in spec["layers"]],
+                                     float(spec["threshold"]))
+    except Exception as exc:
+        raise UserError(f"{path / RAMP_FILE}: cannot load off-ramps "
+                        f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None

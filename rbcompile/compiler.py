@@ -139,6 +139,12 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
                                         **importance, "width": ctx.width_importance,
                                         "permutations": ctx.permutations}
     compiled.manifest["plans"] = compiled.plans = plans
+    if head is not None:
+        from .runtime.early_exit import train_offramps
+        with step("training early-exit off-ramps"):
+            compiled.offramps = train_offramps(compiled, batches.calibration, batches.heldout, head)
+        say(f"  off-ramps after layers {compiled.offramps.layers}, exit threshold "
+            f"{compiled.offramps.threshold:.3f}")
 
 
 def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,

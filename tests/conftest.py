@@ -132,3 +132,24 @@ def calibrated_tiny(tiny_checkpoints, calib_file):
     import rbcompile
     return {arch: rbcompile.compile(path, calib=calib_file, calib_samples=8, calib_seq=32)
             for arch, path in tiny_checkpoints.items()}
+
+
+def labelled_words(path, lines: int = 100) -> None:
+    """JSONL of random word texts with alternating labels."""
+    import json
+    texts = word_text(12 * lines).split("\n\n")
+    path.write_text("\n".join(json.dumps({"text": t, "label": i % 2}) for i, t in enumerate(texts)))
+
+
+@pytest.fixture(scope="session")
+def task_bert(tiny_checkpoints, tmp_path_factory):
+    """Tiny BERT calibrated on a random 2-class task head: plans plus early-exit off-ramps."""
+    import rbcompile
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("task")
+    torch.manual_seed(0)
+    save_file({"weight": torch.randn(2, 32), "bias": torch.zeros(2)}, str(folder / "head.safetensors"))
+    labelled_words(folder / "labelled.jsonl")
+    return rbcompile.compile(tiny_checkpoints["bert"], calib=folder / "labelled.jsonl",
+                             calib_samples=60, calib_seq=16, calib_head=folder / "head.safetensors")
