@@ -123,6 +123,29 @@ class ExitResult:
     batch_sizes: list[int]      # rows still running after each ramp (regrouped batch sizes)
 
 
+def cascade(runner: StagedRunner, stage, offramps: OffRamps, threshold: float, gates, widths,
+            logits: torch.Tensor, exit_layer: torch.Tensor):
+    """Run `stage` through the remaining ramps, writing the logits and exit layer of rows that
+    exit (indexed by their original row); returns the stage of the rows still running (None when
+    all exited) and the batch size after each ramp."""
+    sizes = []
+    for layer in offramps.layers:
+        if runner.layer_end[layer] + 1 < stage.position:
+            continue  # a ramp the stage has already passed
+        runner.advance(stage, gates, widths, until_layer=layer)
+        mask = stage.env[runner.input_names[1]]
+        ramp_logits = head_logits(offramps.ramps[layer], runner.stream_value(stage), mask)
+        confident = ramp_logits.softmax(-1).max(-1).values >= threshold
+        logits[stage.rows[confident]] = ramp_logits[confident]
+        exit_layer[stage.rows[confident]] = layer
+        if bool(confident.all()):
+            return None, sizes + [0]
+        if bool(confident.any()):
+            stage = runner.select(stage, rows=torch.nonzero(~confident).flatten())
+        sizes.append(len(stage.rows))
+    return stage, sizes
+
+
 @torch.no_grad()
 def run_with_exits(compiled, offramps: OffRamps, input_ids, attention_mask, gates=None,
                    widths=None, threshold: float | None = None) -> ExitResult:
@@ -131,25 +154,13 @@ def run_with_exits(compiled, offramps: OffRamps, input_ids, attention_mask, gate
     threshold = offramps.threshold if threshold is None else threshold
     gates = gates if gates is not None else [True] * compiled.num_gates
     batch = input_ids.shape[0]
-    classes = offramps.head[0].shape[0]
-    logits = torch.empty(batch, classes)
+    logits = torch.empty(batch, offramps.head[0].shape[0])
     exit_layer = torch.full((batch,), -1, dtype=torch.long)
-    stage = runner.start(input_ids, attention_mask)
-    sizes = []
-    for layer in offramps.layers:
-        runner.advance(stage, gates, widths, until_layer=layer)
+    stage, sizes = cascade(runner, runner.start(input_ids, attention_mask), offramps, threshold,
+                           gates, widths, logits, exit_layer)
+    if stage is not None:
+        runner.advance(stage, gates, widths)
         mask = stage.env[runner.input_names[1]]
-        ramp_logits = head_logits(offramps.ramps[layer], runner.stream_value(stage), mask)
-        confident = ramp_logits.softmax(-1).max(-1).values >= threshold
-        logits[stage.rows[confident]] = ramp_logits[confident]
-        exit_layer[stage.rows[confident]] = layer
-        if bool(confident.all()):
-            return ExitResult(logits, exit_layer, sizes + [0])
-        if bool(confident.any()):
-            stage = runner.select(stage, rows=torch.nonzero(~confident).flatten())
-        sizes.append(len(stage.rows))
-    runner.advance(stage, gates, widths)
-    mask = stage.env[runner.input_names[1]]
-    logits[stage.rows] = head_logits(offramps.head, runner.result(stage)["last_hidden_state"],
-                                     mask)
+        logits[stage.rows] = head_logits(offramps.head,
+                                         runner.result(stage)["last_hidden_state"], mask)
     return ExitResult(logits, exit_layer, sizes)

@@ -1,0 +1,148 @@
+"""Tiered execution of one batch: probe, split by tier, run each tier as its own smaller batch.
+
+1. Every row runs the full path up to the estimator's probe layer (encoders: the first off-ramp;
+   decoders: about a tenth of the depth). Those layers always run in full.
+2. The complexity score (cheap terms + the early-layer uncertainty read there) puts each row in a
+   tier; each tier continues as a regrouped batch with its own plan (budget x tier scale).
+3. Encoders with off-ramps: rows of the light and medium tiers may also exit early at any ramp
+   they reach confidently; the full tier never exits.
+
+Results are compact, per row: encoders give the pooled embedding (and task logits with a head),
+decoders the log-probability of every real next token and the next-token prediction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..quality import head_logits, mean_pool
+from .complexity import ComplexityEstimator, Tiers
+from .early_exit import cascade
+from .policy import Decision
+from .staged import StagedRunner
+
+
+@dataclass
+class RowResult:
+    outputs: dict[str, torch.Tensor]
+    tier: int
+    score: float
+    exit_layer: int            # -1: no early exit
+    skipped: float             # fraction of prunable FLOPs not computed for this row
+    confidence: float | None   # max probability of the answer (None: embeddings only)
+
+
+def plan_key(decision: Decision) -> str:
+    """What a cached result depends on besides the input."""
+    return f"b{decision.budget:.4f}-w{decision.width:.3f}"
+
+
+class TieredExecutor:
+    def __init__(self, compiled, tiers: Tiers | None = None,
+                 estimator: ComplexityEstimator | None = None, exit_threshold: float | None = None):
+        self.compiled = compiled
+        self.tiers = tiers or Tiers()
+        self.estimator = estimator or ComplexityEstimator(compiled)
+        self.runner = StagedRunner(compiled)
+        ramps = compiled.offramps
+        self.exit_threshold = exit_threshold if exit_threshold is not None else (
+            ramps.threshold if ramps is not None else None)
+        self._gate_layer = {r["gate"]: r["layer"] for r in compiled.regions if r["kind"] == "prunable"}
+
+    def setting(self, tier: int, decision: Decision):
+        """(gates, widths) of a tier under a decision; the width cap narrows every region."""
+        gates, widths = self.compiled.plan_for_budget(self.tiers.budget(tier, decision.budget))
+        if decision.width < 1:
+            widths = [min(w, decision.width) for w in (widths or [1.0] * len(gates))]
+        return gates, widths
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            decision: Decision) -> list[RowResult]:
+        batch = input_ids.shape[0]
+        runner, estimator = self.runner, self.estimator
+        stage = runner.start(input_ids, attention_mask)
+        uncertainty = None
+        if estimator.probe_layer is not None:
+            runner.advance(stage, [True] * self.compiled.num_gates, until_layer=estimator.probe_layer)
+            uncertainty = estimator.uncertainty(runner, stage)
+        scores = estimator.score(input_ids, attention_mask, uncertainty).tolist()
+        tiers = [self.tiers.tier(s) for s in scores]
+        results: list[RowResult | None] = [None] * batch
+        for tier in sorted(set(tiers)):
+            rows = torch.tensor([i for i in range(batch) if tiers[i] == tier])
+            sub = stage if len(rows) == batch else (
+                runner.select(stage, rows=rows) if stage.stream is not None
+                else runner.start(input_ids[rows], attention_mask[rows]))
+            for row, result in self._finish(sub, tier, decision, batch):
+                result.score = scores[row]
+                results[row] = result
+        return results
+
+    def _finish(self, stage, tier: int, decision: Decision, batch: int):
+        """(original row, RowResult) for a tier's regrouped stage, run to the end."""
+        compiled, runner, ramps = self.compiled, self.runner, self.compiled.offramps
+        gates, widths = self.setting(tier, decision)
+        finished = []
+        if ramps is not None and tier < 2 and self.exit_threshold is not None:
+            logits = torch.empty(batch, ramps.head[0].shape[0])
+            exit_layer = torch.full((batch,), -1, dtype=torch.long)
+            before = stage.rows.tolist()
+            stage, _ = cascade(runner, stage, ramps, self.exit_threshold, gates, widths, logits,
+                               exit_layer)
+            for row in before:
+                layer = int(exit_layer[row])
+                if layer >= 0:
+                    summary = {"logits": logits[row].clone()}
+                    skipped = self._skipped(gates, widths, stage_until=layer)
+                    finished.append((row, RowResult(summary, tier, 0.0, layer, skipped,
+                                                    _confidence(summary))))
+        if stage is not None:
+            runner.advance(stage, gates, widths)
+            outputs = runner.result(stage)
+            mask = stage.env[runner.input_names[1]]
+            ids = stage.env[runner.input_names[0]]
+            skipped = self._skipped(gates, widths)
+            for index, row in enumerate(stage.rows.tolist()):
+                summary = self._summarise(outputs, ids, mask, index)
+                finished.append((row, RowResult(summary, tier, 0.0, -1, skipped,
+                                                _confidence(summary))))
+        return finished
+
+    def _skipped(self, gates, widths, stage_until: int | None = None) -> float:
+        """Prunable FLOPs not computed: layers up to the probe ran in full; with `stage_until`
+        (an early exit), layers after it did not run at all."""
+        probe = self.estimator.probe_layer
+        probe = -1 if probe is None else probe
+        effective_gates, effective_widths = [], []
+        for gate, on in enumerate(gates):
+            layer = self._gate_layer[gate]
+            effective_gates.append((on or layer <= probe) and
+                                   (stage_until is None or layer <= stage_until))
+            effective_widths.append(1.0 if layer <= probe or widths is None else widths[gate])
+        return self.compiled.skipped_share(effective_gates, effective_widths)
+
+    def _summarise(self, outputs, ids, mask, index) -> dict[str, torch.Tensor]:
+        real = mask[index].bool()
+        if self.compiled.family == "decoder":
+            logits = outputs["logits"][index][real]
+            log_probs = logits.log_softmax(-1)
+            tokens = ids[index][real]
+            return {"token_logprobs": log_probs[:-1].gather(1, tokens[1:, None]).squeeze(1),
+                    "next_token": log_probs[-1].argmax().reshape(1),
+                    "next_token_prob": log_probs[-1].max().exp().reshape(1)}
+        hidden = outputs["last_hidden_state"][index:index + 1]
+        summary = {"embedding": mean_pool(hidden, mask[index:index + 1])[0]}
+        if self.compiled.offramps is not None:
+            summary["logits"] = head_logits(self.compiled.offramps.head, hidden,
+                                            mask[index:index + 1])[0]
+        return summary
+
+
+def _confidence(summary: dict) -> float | None:
+    if "logits" in summary:
+        return float(summary["logits"].softmax(-1).max())
+    if "next_token_prob" in summary:
+        return float(summary["next_token_prob"])
+    return None

@@ -1,0 +1,61 @@
+"""Tiered execution: each tier's rows equal their own smaller batch run with the tier's plan."""
+import pytest
+import torch
+
+from conftest import random_batch
+from rbcompile.runtime.complexity import ComplexityEstimator, Tiers
+from rbcompile.runtime.executor import TieredExecutor
+from rbcompile.runtime.policy import Decision
+
+
+def _expected(executor, ids, mask, row, tier, decision):
+    """The row alone through the generated forward with the tier's plan (probe layers full)."""
+    compiled = executor.compiled
+    gates, widths = executor.setting(tier, decision)
+    probe = executor.estimator.probe_layer
+    if probe is not None:
+        layer = {r["gate"]: r["layer"] for r in compiled.regions if r["kind"] == "prunable"}
+        gates = [g or layer[i] <= probe for i, g in enumerate(gates)]
+        widths = widths and [1.0 if layer[i] <= probe else w for i, w in enumerate(widths)]
+    out = compiled(ids[row:row + 1], mask[row:row + 1], gates=gates, widths=widths)
+    return executor._summarise(out, ids[row:row + 1], mask[row:row + 1], 0)
+
+
+@pytest.mark.parametrize("arch", ("llama", "gpt2"))
+def test_decoder_tiers_regroup_rows_and_match_their_plans(calibrated_tiny, arch):
+    compiled = calibrated_tiny[arch]
+    ids, mask = random_batch(6, 10, pad_row=False)
+    estimator = ComplexityEstimator(compiled)
+    assert estimator.probe_layer == 0
+    executor = TieredExecutor(compiled, estimator=estimator)
+    cheap = estimator.score(ids, mask)
+    assert cheap.shape == (6,) and bool(((cheap >= 0) & (cheap <= 1)).all())
+    probe = executor.run(ids, mask, Decision(budget=0.0))
+    scores = sorted(r.score for r in probe)
+    executor.tiers = Tiers(light_below=scores[2], full_from=scores[4])
+    decision = Decision(budget=0.3)
+    results = executor.run(ids, mask, decision)
+    assert sorted(r.tier for r in results) == [0, 0, 1, 1, 2, 2]
+    for row, result in enumerate(results):
+        expected = _expected(executor, ids, mask, row, result.tier, decision)
+        for name, value in expected.items():
+            torch.testing.assert_close(result.outputs[name], value, rtol=0, atol=1e-5)
+    assert results[[r.tier for r in results].index(2)].skipped == 0.0
+    assert max(r.skipped for r in results) > 0
+
+
+def test_encoder_rows_exit_early_or_match_the_full_path(task_bert):
+    ids, mask = random_batch(8, 12, seed=5)
+    never = TieredExecutor(task_bert, exit_threshold=1.01).run(ids, mask, Decision(budget=0.0))
+    for row, result in enumerate(never):
+        assert result.exit_layer == -1 and result.skipped == 0.0
+        expected = _expected(TieredExecutor(task_bert), ids, mask, row, result.tier, Decision())
+        torch.testing.assert_close(result.outputs["logits"], expected["logits"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(result.outputs["embedding"], expected["embedding"],
+                                   rtol=0, atol=1e-5)
+    executor = TieredExecutor(task_bert, tiers=Tiers(light_below=1.0, full_from=1.0),
+                              exit_threshold=0.0)
+    exits = executor.run(ids, mask, Decision(budget=0.0))
+    assert all(r.exit_layer == task_bert.offramps.layers[0] for r in exits)
+    assert all(r.skipped > 0.4 for r in exits)  # layers after the first ramp never ran
+    assert all(0.5 <= r.confidence <= 1 for r in exits)
