@@ -58,8 +58,9 @@ class TieredExecutor:
         return gates, widths
 
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            decision: Decision) -> list[RowResult]:
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, decision: Decision,
+            min_tiers: list[int] | None = None) -> list[RowResult]:
+        """Per-row results; `min_tiers` raises rows to at least that tier (confidence fallback)."""
         batch = input_ids.shape[0]
         runner, estimator = self.runner, self.estimator
         stage = runner.start(input_ids, attention_mask)
@@ -69,12 +70,18 @@ class TieredExecutor:
             uncertainty = estimator.uncertainty(runner, stage)
         scores = estimator.score(input_ids, attention_mask, uncertainty).tolist()
         tiers = [self.tiers.tier(s) for s in scores]
+        if min_tiers is not None:
+            tiers = [min(2, max(t, m)) for t, m in zip(tiers, min_tiers)]
         results: list[RowResult | None] = [None] * batch
         for tier in sorted(set(tiers)):
             rows = torch.tensor([i for i in range(batch) if tiers[i] == tier])
-            sub = stage if len(rows) == batch else (
-                runner.select(stage, rows=rows) if stage.stream is not None
-                else runner.start(input_ids[rows], attention_mask[rows]))
+            if len(rows) == batch:
+                sub = stage
+            elif stage.stream is not None:
+                sub = runner.select(stage, rows=rows)
+            else:  # nothing probed yet: start the tier's rows as their own batch
+                sub = runner.start(input_ids[rows], attention_mask[rows])
+                sub.rows = rows
             for row, result in self._finish(sub, tier, decision, batch):
                 result.score = scores[row]
                 results[row] = result
@@ -97,7 +104,7 @@ class TieredExecutor:
                     summary = {"logits": logits[row].clone()}
                     skipped = self._skipped(gates, widths, stage_until=layer)
                     finished.append((row, RowResult(summary, tier, 0.0, layer, skipped,
-                                                    _confidence(summary))))
+                                                    confidence_of(summary))))
         if stage is not None:
             runner.advance(stage, gates, widths)
             outputs = runner.result(stage)
@@ -107,7 +114,7 @@ class TieredExecutor:
             for index, row in enumerate(stage.rows.tolist()):
                 summary = self._summarise(outputs, ids, mask, index)
                 finished.append((row, RowResult(summary, tier, 0.0, -1, skipped,
-                                                _confidence(summary))))
+                                                confidence_of(summary))))
         return finished
 
     def _skipped(self, gates, widths, stage_until: int | None = None) -> float:
@@ -140,7 +147,8 @@ class TieredExecutor:
         return summary
 
 
-def _confidence(summary: dict) -> float | None:
+def confidence_of(summary: dict) -> float | None:
+    """Max probability of a row's answer; None for embeddings."""
     if "logits" in summary:
         return float(summary["logits"].softmax(-1).max())
     if "next_token_prob" in summary:

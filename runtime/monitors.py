@@ -160,10 +160,7 @@ class ResourceMonitor:
         """rss_bytes, memory_percent, memory_fraction, cpu_utilisation (system-wide, [0, 1]),
         queue_depth, latency_p50_s, latency_p99_s, throughput_rps and, on CUDA,
         gpu_memory_used_bytes, gpu_memory_total_bytes and gpu_utilisation (NaN if unknown)."""
-        if self.memory_override is not None:
-            memory_fraction = float(self.memory_override())
-        else:
-            memory_fraction = psutil.virtual_memory().percent / 100
+        memory_fraction = self.memory_fraction()
         latency = self.latency.snapshot() if self.latency is not None else {}
         sample = {
             "rss_bytes": self._process.memory_info().rss,
@@ -178,6 +175,12 @@ class ResourceMonitor:
         if self._cuda:
             sample.update(self._gpu_sample())
         return sample
+
+    def memory_fraction(self) -> float:
+        """System memory in use, [0, 1] (or the override's value): cheap enough per request."""
+        if self.memory_override is not None:
+            return float(self.memory_override())
+        return psutil.virtual_memory().percent / 100
 
     @staticmethod
     def _gpu_sample() -> dict[str, float]:

@@ -95,7 +95,7 @@ class StaticPolicy(BasePolicy):
 class PIDPolicy(BasePolicy):
     """Closed loop: a PID controller moves the budget to hold the p99 latency at the SLO
     (`target="latency"`) or the mean output confidence at a floor (`target="quality"`).
-    It updates once per control period (`config.period_s`), not once per batch."""
+    It updates once per control period (`config.period_s`; 0: on every observation)."""
     name = "pid"
 
     def __init__(self, config: PIDConfig, target: str = "latency", max_budget: float = 1.0):
@@ -111,7 +111,8 @@ class PIDPolicy(BasePolicy):
         period = self.controller.config.period_s
         if self._last_update is not None and now - self._last_update < period:
             return
-        elapsed = 1.0 if self._last_update is None else (now - self._last_update) / period
+        elapsed = 1.0 if self._last_update is None or period <= 0 else \
+            (now - self._last_update) / period
         self._last_update = now
         measured = state.latency_p99 if self.target == "latency" else state.confidence_mean
         self.controller.update(measured, dt_periods=min(elapsed, 4.0))
