@@ -102,7 +102,9 @@ class ComplexityEstimator:
 @dataclass
 class Tiers:
     """Score -> tier: below `light_below` light, below `full_from` medium, else full. Each tier
-    runs the decided budget times its scale (light 1.0, medium 0.5, full 0: the full path)."""
+    runs the decided budget times its scale (light 1.0, medium 0.5, full 0: the full path).
+    `full_from = 0` makes every request full and `light_below = 1` every request light: then
+    no probe runs."""
     light_below: float = 0.35
     full_from: float = 0.65
     scales: tuple[float, float, float] = (1.0, 0.5, 0.0)
@@ -111,7 +113,16 @@ class Tiers:
         if not 0 <= self.light_below <= self.full_from <= 1:
             raise ValueError("tier thresholds must satisfy 0 <= light_below <= full_from <= 1")
 
+    def constant(self) -> int | None:
+        """The tier of every request when the thresholds leave no choice, else None."""
+        if self.full_from <= 0:
+            return 2
+        return 0 if self.light_below >= 1 else None
+
     def tier(self, score: float) -> int:
+        constant = self.constant()
+        if constant is not None:
+            return constant
         return 0 if score < self.light_below else (1 if score < self.full_from else 2)
 
     def budget(self, tier: int, budget: float) -> float:

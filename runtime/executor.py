@@ -40,14 +40,15 @@ def plan_key(decision: Decision) -> str:
 
 class TieredExecutor:
     def __init__(self, compiled, tiers: Tiers | None = None,
-                 estimator: ComplexityEstimator | None = None, exit_threshold: float | None = None):
+                 estimator: ComplexityEstimator | None = None, exit_threshold: float | None = None,
+                 early_exit: bool = True):
         self.compiled = compiled
         self.tiers = tiers or Tiers()
         self.estimator = estimator or ComplexityEstimator(compiled)
         self.runner = StagedRunner(compiled)
         ramps = compiled.offramps
-        self.exit_threshold = exit_threshold if exit_threshold is not None else (
-            ramps.threshold if ramps is not None else None)
+        self.exit_threshold = None if not early_exit or ramps is None else (
+            exit_threshold if exit_threshold is not None else ramps.threshold)
         self._gate_layer = {r["gate"]: r["layer"] for r in compiled.regions if r["kind"] == "prunable"}
 
     def setting(self, tier: int, decision: Decision):
@@ -65,8 +66,9 @@ class TieredExecutor:
         runner, estimator = self.runner, self.estimator
         stage = runner.start(input_ids, attention_mask)
         uncertainty = None
-        if estimator.probe_layer is not None:
-            runner.advance(stage, [True] * self.compiled.num_gates, until_layer=estimator.probe_layer)
+        probe = estimator.probe_layer if self.tiers.constant() is None else None
+        if probe is not None:
+            runner.advance(stage, [True] * self.compiled.num_gates, until_layer=probe)
             uncertainty = estimator.uncertainty(runner, stage)
         scores = estimator.score(input_ids, attention_mask, uncertainty).tolist()
         tiers = [self.tiers.tier(s) for s in scores]
@@ -82,17 +84,17 @@ class TieredExecutor:
             else:  # nothing probed yet: start the tier's rows as their own batch
                 sub = runner.start(input_ids[rows], attention_mask[rows])
                 sub.rows = rows
-            for row, result in self._finish(sub, tier, decision, batch):
+            for row, result in self._finish(sub, tier, decision, batch, probe):
                 result.score = scores[row]
                 results[row] = result
         return results
 
-    def _finish(self, stage, tier: int, decision: Decision, batch: int):
+    def _finish(self, stage, tier: int, decision: Decision, batch: int, probe: int | None):
         """(original row, RowResult) for a tier's regrouped stage, run to the end."""
         compiled, runner, ramps = self.compiled, self.runner, self.compiled.offramps
         gates, widths = self.setting(tier, decision)
         finished = []
-        if ramps is not None and tier < 2 and self.exit_threshold is not None:
+        if tier < 2 and self.exit_threshold is not None:
             logits = torch.empty(batch, ramps.head[0].shape[0])
             exit_layer = torch.full((batch,), -1, dtype=torch.long)
             before = stage.rows.tolist()
@@ -102,7 +104,7 @@ class TieredExecutor:
                 layer = int(exit_layer[row])
                 if layer >= 0:
                     summary = {"logits": logits[row].clone()}
-                    skipped = self._skipped(gates, widths, stage_until=layer)
+                    skipped = self._skipped(gates, widths, probe, stage_until=layer)
                     finished.append((row, RowResult(summary, tier, 0.0, layer, skipped,
                                                     confidence_of(summary))))
         if stage is not None:
@@ -110,17 +112,16 @@ class TieredExecutor:
             outputs = runner.result(stage)
             mask = stage.env[runner.input_names[1]]
             ids = stage.env[runner.input_names[0]]
-            skipped = self._skipped(gates, widths)
+            skipped = self._skipped(gates, widths, probe)
             for index, row in enumerate(stage.rows.tolist()):
                 summary = self._summarise(outputs, ids, mask, index)
                 finished.append((row, RowResult(summary, tier, 0.0, -1, skipped,
                                                 confidence_of(summary))))
         return finished
 
-    def _skipped(self, gates, widths, stage_until: int | None = None) -> float:
-        """Prunable FLOPs not computed: layers up to the probe ran in full; with `stage_until`
-        (an early exit), layers after it did not run at all."""
-        probe = self.estimator.probe_layer
+    def _skipped(self, gates, widths, probe: int | None, stage_until: int | None = None) -> float:
+        """Prunable FLOPs not computed: layers up to the probe (if one ran) ran in full; with
+        `stage_until` (an early exit), layers after it did not run at all."""
         probe = -1 if probe is None else probe
         effective_gates, effective_widths = [], []
         for gate, on in enumerate(gates):

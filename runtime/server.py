@@ -76,6 +76,7 @@ class ServerConfig:
     preset: Preset = field(default_factory=lambda: PRESETS["realtime-chat"])
     watermarks: Watermarks = field(default_factory=Watermarks)
     tiers: Tiers = field(default_factory=Tiers)
+    early_exit: bool = True                # encoders with off-ramps
     max_tokens: int | None = None          # default: the model's positions
     cache_bytes: int = 64 << 20
     monitor_period_s: float = DEFAULT_PERIOD_S
@@ -114,7 +115,8 @@ class AdaptiveServer:
         self.compiled = compiled
         self.policy = policy
         self.config = config or ServerConfig()
-        self.executor = TieredExecutor(compiled, tiers=self.config.tiers)
+        self.executor = TieredExecutor(compiled, tiers=self.config.tiers,
+                                       early_exit=self.config.early_exit)
         self.result_cache = ResultCache(self.config.cache_bytes)
         self.latency = LatencyTracker()
         self.quality = QualityMonitor()
@@ -125,7 +127,8 @@ class AdaptiveServer:
             compiled.manifest["source"]["sha256"]
         self.max_tokens = min(self.config.max_tokens or compiled.max_positions, compiled.max_positions)
         self.counters = {"admitted": 0, "rejected": 0, "shed": 0, "completed": 0, "failed": 0,
-                         "cache_hits": 0, "fallback_steps": 0, "batches": 0, "shrinks": 0}
+                         "cache_hits": 0, "fallback_steps": 0, "batches": 0, "shrinks": 0,
+                         "busy_s": 0.0}
         self.decisions: list[tuple[float, Decision, int]] = []  # (time, decision, queue depth)
         self._queue: list[_Queued] = []
         self._sequence = itertools.count()
@@ -236,6 +239,7 @@ class AdaptiveServer:
                     return  # stopped and drained
                 batch = [heapq.heappop(self._queue)
                          for _ in range(min(self.config.max_batch, len(self._queue)))]
+            started = time.perf_counter()
             try:
                 self._serve_batch(batch)
             except Exception as exc:  # never lose an admitted request silently
@@ -244,6 +248,7 @@ class AdaptiveServer:
                     if not item.future.done():
                         self.counters["failed"] += 1
                         item.future.set_exception(exc)
+            self.counters["busy_s"] += time.perf_counter() - started
 
     def state(self, batch: list[_Queued]) -> PolicyState:
         latest = self.sampler.latest or {}
