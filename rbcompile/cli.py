@@ -80,6 +80,20 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="folder for curve.json and curve.png "
                    "(default: ARTIFACT-curve)")
 
+    p = sub.add_parser("train-policy", help="measure an artifact's latency / quality table and "
+                       "train the PPO serving policy in a simulator built from it")
+    p.add_argument("artifact", help="calibrated artifact folder")
+    p.add_argument("--workload", required=True, help="JSONL of texts or a text file (one input "
+                   "per paragraph), at least 200 inputs")
+    p.add_argument("-o", "--output", required=True, help="folder for policy.safetensors, "
+                   "policy.json and table.json")
+    p.add_argument("--classifier", help="encoders: linear head (safetensors: weight, bias); "
+                   "quality = its argmax agreement with the full path")
+    p.add_argument("--slo-ms", type=float, default=100.0, help="latency objective (default 100)")
+    p.add_argument("--steps", type=int, default=20000, help="PPO decisions (default 20000)")
+    p.add_argument("--max-batch", type=int, default=16, help="largest batch served (default 16)")
+    p.add_argument("--seed", type=int, default=0)
+
     sub.add_parser("models", help="list the bundled model names")
     return parser
 
@@ -249,6 +263,12 @@ def _cmd_curve(args) -> None:
     print(f"wrote {out / 'curve.json'} and {out / 'curve.png'}")
 
 
+def _cmd_train_policy(args) -> None:
+    from .train_policy import train_policy
+    train_policy(args.artifact, args.workload, args.output, classifier=args.classifier,
+                 slo_ms=args.slo_ms, steps=args.steps, max_batch=args.max_batch, seed=args.seed)
+
+
 def _cmd_models(args) -> None:
     from .models import DEFAULT_MODEL, list_models
     for name, package, description in list_models():
@@ -257,7 +277,7 @@ def _cmd_models(args) -> None:
 
 
 COMMANDS = {"compile": _cmd_compile, "inspect": _cmd_inspect, "run": _cmd_run,
-            "curve": _cmd_curve, "models": _cmd_models}
+            "curve": _cmd_curve, "train-policy": _cmd_train_policy, "models": _cmd_models}
 
 
 def main(argv=None) -> int:
