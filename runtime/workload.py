@@ -6,7 +6,9 @@ hard requests swings by `hard_swing` (absolute), as one smooth day of `duration`
     hard_share(t) = hard_night + hard_swing * s(t)
 
 Arrivals are a Poisson process with that rate (thinning, seeded). A share of requests repeats a
-recent one exactly (real traffic repeats; the result cache serves these).
+recent one exactly (real traffic repeats; the result cache serves these). The other requests
+draw their inputs without replacement (each pool is reshuffled when it runs out), so only the
+intended repeats are exact repeats while the pools last.
 """
 from __future__ import annotations
 
@@ -50,6 +52,14 @@ def tidal_trace(easy: list[int], hard: list[int], *, duration: float, night_rate
     mix = qos_mix or QOS_MIX
     classes, weights = list(mix), list(mix.values())
     peak = night_rate * swing
+    pools = {True: hard, False: easy}
+    decks: dict[bool, list[int]] = {True: [], False: []}
+
+    def draw(is_hard: bool) -> int:
+        if not decks[is_hard]:
+            decks[is_hard] = rng.sample(pools[is_hard], len(pools[is_hard]))
+        return decks[is_hard].pop()
+
     t, trace = 0.0, []
     while True:
         t += rng.expovariate(peak)
@@ -64,4 +74,4 @@ def tidal_trace(easy: list[int], hard: list[int], *, duration: float, night_rate
             trace.append(TraceRequest(t, previous.item, previous.hard, qos))
             continue
         is_hard = rng.random() < hard_share(t, duration, hard_night, hard_swing)
-        trace.append(TraceRequest(t, rng.choice(hard if is_hard else easy), is_hard, qos))
+        trace.append(TraceRequest(t, draw(is_hard), is_hard, qos))
