@@ -2,7 +2,9 @@
 
 1. Fetch Debian's python3-pattern package (apt-get download), extract the 4,000 labelled MR
    movie-review sentences (polarity-en-pang&lee2.csv; personal-use corpus: kept in the cache).
-2. Split them (seed 0) into 3,000 train and 1,000 test sentences: train.jsonl / test.jsonl.
+2. Split them (seed 0) into 3,000 train and 1,000 test sentences: train.jsonl / test.jsonl;
+   cut the 1,500 labelled full reviews of the same package into two-sentence passages
+   (reviews.jsonl: distinct serving traffic for benchmarks/bench_tidal.py).
 3. Fine-tune all-MiniLM-L6-v2 with a linear head over mean-pooled normalised embeddings
    (2 epochs, encoder lr 5e-5, head lr 1e-3, batch 32) and save the encoder as an HF checkpoint
    (`encoder/`) plus the head (`head.safetensors`), then report test accuracy.
@@ -31,23 +33,44 @@ import torch
 from rbcompile.models import cache_dir, resolve_checkpoint
 from rbcompile.quality import mean_pool
 
-CSV_NAME = "polarity-en-pang&lee2.csv"
-CSV_IN_PACKAGE = f"usr/share/doc/python3-pattern/test/corpora/{CSV_NAME}"
+SENTENCES_CSV = "polarity-en-pang&lee2.csv"   # 4,000 labelled MR sentences
+REVIEWS_CSV = "polarity-en-pang&lee1.csv"     # 1,500 labelled full reviews, one sentence a line
+CORPORA_IN_PACKAGE = "usr/share/doc/python3-pattern/test/corpora"
+REVIEW_PASSAGE_SENTENCES = 2
 
 
-def fetch_sentences(root: Path) -> list[tuple[str, int]]:
-    target = root / CSV_NAME
-    if not target.is_file():
-        with tempfile.TemporaryDirectory() as tmp:
-            print("fetching python3-pattern (Debian) for the MR sentences ...", file=sys.stderr)
-            subprocess.run(["apt-get", "download", "python3-pattern"], cwd=tmp, check=True,
-                           capture_output=True)
-            deb = next(Path(tmp).glob("python3-pattern_*.deb"))
-            subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/out"], check=True)
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.copy(Path(tmp) / "out" / CSV_IN_PACKAGE, target)
-    with open(target, encoding="utf-8-sig", newline="") as f:
-        return [(" ".join(text.split()), 1 if label == "1" else 0) for label, text in csv.reader(f)]
+def fetch_corpora(root: Path) -> None:
+    """Copy both polarity corpora from Debian's python3-pattern into `root` (once)."""
+    if all((root / name).is_file() for name in (SENTENCES_CSV, REVIEWS_CSV)):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        print("fetching python3-pattern (Debian) for the MR corpora ...", file=sys.stderr)
+        subprocess.run(["apt-get", "download", "python3-pattern"], cwd=tmp, check=True,
+                       capture_output=True)
+        deb = next(Path(tmp).glob("python3-pattern_*.deb"))
+        subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/out"], check=True)
+        root.mkdir(parents=True, exist_ok=True)
+        for name in (SENTENCES_CSV, REVIEWS_CSV):
+            shutil.copy(Path(tmp) / "out" / CORPORA_IN_PACKAGE / name, root / name)
+
+
+def read_polarity_csv(path: Path) -> list[tuple[str, int]]:
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        return [(text, 1 if label == "1" else 0) for label, text in csv.reader(f)]
+
+
+def write_review_passages(root: Path) -> int:
+    """reviews.jsonl: every review cut into passages of two consecutive sentences, each with the
+    review's label (distinct serving traffic for the tidal benchmark; none of it is trained on)."""
+    passages = []
+    for text, label in read_polarity_csv(root / REVIEWS_CSV):
+        sentences = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+        for i in range(0, len(sentences), REVIEW_PASSAGE_SENTENCES):
+            passages.append((" ".join(sentences[i:i + REVIEW_PASSAGE_SENTENCES]), label))
+    with open(root / "reviews.jsonl", "w") as f:
+        for text, label in passages:
+            f.write(json.dumps({"text": text, "label": label}) + "\n")
+    return len(passages)
 
 
 def write_splits(root: Path, rows: list[tuple[str, int]], test_size: int = 1000):
@@ -118,7 +141,12 @@ def fine_tune(root: Path, splits, epochs=2, batch=32) -> dict:
 def main() -> None:
     torch.set_num_threads(2)
     root = cache_dir() / "mr"
-    splits = write_splits(root, fetch_sentences(root)) if not (root / "test.jsonl").is_file() else {
+    fetch_corpora(root)
+    if not (root / "reviews.jsonl").is_file():
+        print(f"wrote {write_review_passages(root)} review passages to reviews.jsonl", file=sys.stderr)
+    sentences = [(" ".join(text.split()), label)
+                 for text, label in read_polarity_csv(root / SENTENCES_CSV)]
+    splits = write_splits(root, sentences) if not (root / "test.jsonl").is_file() else {
         name: [(r["text"], r["label"]) for r in map(json.loads, (root / f"{name}.jsonl").read_text().splitlines())]
         for name in ("train", "test")}
     if not (root / "encoder" / "config.json").is_file() or not (root / "head.safetensors").is_file():
