@@ -31,6 +31,7 @@ class RowResult:
     exit_layer: int            # -1: no early exit
     skipped: float             # fraction of prunable FLOPs not computed for this row
     confidence: float | None   # max probability of the answer (None: embeddings only)
+    fallback_steps: int = 0    # tiers this row was escalated by (confidence fallback)
 
 
 def plan_key(decision: Decision) -> str:
@@ -60,8 +61,11 @@ class TieredExecutor:
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, decision: Decision,
-            min_tiers: list[int] | None = None) -> list[RowResult]:
-        """Per-row results; `min_tiers` raises rows to at least that tier (confidence fallback)."""
+            confidence_threshold: float | None = None, max_fallback_steps: int = 0
+            ) -> list[RowResult]:
+        """Per-row results. Confidence fallback: a light or medium answer below
+        `confidence_threshold` is recomputed one tier higher (at most `max_fallback_steps`
+        times), from the probe boundary, batched with the rows already in that tier."""
         batch = input_ids.shape[0]
         runner, estimator = self.runner, self.estimator
         stage = runner.start(input_ids, attention_mask)
@@ -71,22 +75,32 @@ class TieredExecutor:
             runner.advance(stage, [True] * self.compiled.num_gates, until_layer=probe)
             uncertainty = estimator.uncertainty(runner, stage)
         scores = estimator.score(input_ids, attention_mask, uncertainty).tolist()
-        tiers = [self.tiers.tier(s) for s in scores]
-        if min_tiers is not None:
-            tiers = [min(2, max(t, m)) for t, m in zip(tiers, min_tiers)]
+        rows_of_tier: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        for row, score in enumerate(scores):
+            rows_of_tier[self.tiers.tier(score)].append(row)
         results: list[RowResult | None] = [None] * batch
-        for tier in sorted(set(tiers)):
-            rows = torch.tensor([i for i in range(batch) if tiers[i] == tier])
-            if len(rows) == batch:
-                sub = stage
-            elif stage.stream is not None:
+        steps = [0] * batch
+        for tier in (0, 1, 2):
+            if not rows_of_tier[tier]:
+                continue
+            rows = torch.tensor(rows_of_tier[tier])
+            if probe is not None:  # the probe stage stays intact for the tiers and retries
                 sub = runner.select(stage, rows=rows)
-            else:  # nothing probed yet: start the tier's rows as their own batch
+            elif len(rows) == batch and stage.position == 0:
+                sub = stage
+            else:  # nothing probed: the tier's rows start as their own batch
                 sub = runner.start(input_ids[rows], attention_mask[rows])
                 sub.rows = rows
             for row, result in self._finish(sub, tier, decision, batch, probe):
                 result.score = scores[row]
-                results[row] = result
+                result.fallback_steps = steps[row]
+                if (confidence_threshold is not None and tier < 2 and result.confidence is not None
+                        and result.confidence < confidence_threshold
+                        and steps[row] < max_fallback_steps):
+                    steps[row] += 1
+                    rows_of_tier[tier + 1].append(row)
+                else:
+                    results[row] = result
         return results
 
     def _finish(self, stage, tier: int, decision: Decision, batch: int, probe: int | None):

@@ -4,7 +4,8 @@ Requests enter through `submit` (any thread) and get a `Future`. One worker thre
 highest-priority requests (QoS class, then arrival) up to `max_batch`, asks the policy for a
 `Decision`, serves exact repeats from the result cache, and runs the rest through the tiered
 executor (tiers become regrouped batches inside). A light-path answer whose confidence is below
-the preset's threshold is recomputed one tier higher, at most `max_fallback_steps` times.
+the preset's threshold is recomputed one tier higher, at most `max_fallback_steps` times (from
+the probe boundary, together with the rows already in that tier).
 
 Memory watermarks (system memory fraction from the resource monitor):
 - >= 60%: shrink the result cache to the preset's `cache_keep` share and clear the region cache;
@@ -297,21 +298,21 @@ class AdaptiveServer:
             hit = self.result_cache.get(key) if own.use_cache else None
             if hit is not None:
                 self.counters["cache_hits"] += 1
-                self._complete(item, own, RowResult(hit, -1, 0.0, -1, 1.0, confidence_of(hit)), True, 0)
+                self._complete(item, own, RowResult(hit, -1, 0.0, -1, 1.0, confidence_of(hit)), True)
             else:
                 pending.append((item, own, key))
         groups: dict[Decision, list] = {}
         for entry in pending:
             groups.setdefault(entry[1], []).append(entry)
         for own, entries in groups.items():
-            results = self._run([e[0].ids for e in entries], own, min_tiers=[0] * len(entries))
-            for (item, _, key), (result, steps) in zip(entries, results):
+            results = self._run([e[0].ids for e in entries], own)
+            for (item, _, key), result in zip(entries, results):
                 if own.use_cache:
                     self.result_cache.put(key, result.outputs)
-                self._complete(item, own, result, False, steps)
+                self._complete(item, own, result, False)
         self.policy.observe(self.state([]))
 
-    def _run(self, ids_list, decision: Decision, min_tiers: list[int], steps: int = 0):
+    def _run(self, ids_list, decision: Decision) -> list[RowResult]:
         """Results for a list of requests (padded into one batch), with confidence fallback."""
         width = max(len(ids) for ids in ids_list)
         ids = torch.zeros(len(ids_list), width, dtype=torch.long)
@@ -319,21 +320,14 @@ class AdaptiveServer:
         for row, request in enumerate(ids_list):
             ids[row, :len(request)] = request
             mask[row, :len(request)] = 1
-        results = self.executor.run(ids, mask, decision, min_tiers=min_tiers)
-        out = [(r, steps) for r in results]
         preset = self.config.preset
-        retry = [i for i, r in enumerate(results) if r.tier < 2 and r.confidence is not None
-                 and r.confidence < preset.confidence_threshold]
-        if retry and steps < preset.max_fallback_steps:
-            self.counters["fallback_steps"] += len(retry)
-            again = self._run([ids_list[i] for i in retry], decision,
-                              [results[i].tier + 1 for i in retry], steps + 1)
-            for i, result in zip(retry, again):
-                out[i] = result
-        return out
+        results = self.executor.run(ids, mask, decision, preset.confidence_threshold,
+                                    preset.max_fallback_steps)
+        self.counters["fallback_steps"] += sum(r.fallback_steps for r in results)
+        return results
 
-    def _complete(self, item: _Queued, decision: Decision, result: RowResult, cached: bool,
-                  steps: int) -> None:
+    def _complete(self, item: _Queued, decision: Decision, result: RowResult,
+                  cached: bool) -> None:
         latency = time.monotonic() - item.submitted
         self._last_latency = latency
         self.latency.record(latency)
@@ -343,4 +337,4 @@ class AdaptiveServer:
         item.future.set_result(Response(result.outputs, latency, item.qos, decision.budget,
                                         result.tier, result.exit_layer,
                                         result.skipped, result.confidence,
-                                        cached, steps))
+                                        cached, result.fallback_steps))

@@ -59,3 +59,22 @@ def test_encoder_rows_exit_early_or_match_the_full_path(task_bert):
     assert all(r.exit_layer == task_bert.offramps.layers[0] for r in exits)
     assert all(r.skipped > 0.4 for r in exits)  # layers after the first ramp never ran
     assert all(0.5 <= r.confidence <= 1 for r in exits)
+
+
+@pytest.mark.parametrize("steps", (1, 2))
+def test_unconfident_rows_escalate_from_the_probe_and_match_the_higher_tier(calibrated_tiny, steps):
+    compiled = calibrated_tiny["llama"]
+    ids, mask = random_batch(6, 10, pad_row=False)
+    executor = TieredExecutor(compiled)
+    scores = sorted(r.score for r in executor.run(ids, mask, Decision()))
+    executor.tiers = Tiers(light_below=scores[2], full_from=scores[4])
+    first = executor.run(ids, mask, Decision(budget=0.3))
+    assert sorted(r.tier for r in first) == [0, 0, 1, 1, 2, 2]
+    escalated = executor.run(ids, mask, Decision(budget=0.3), confidence_threshold=1.01,
+                             max_fallback_steps=steps)   # nothing is confident enough
+    for row, (before, after) in enumerate(zip(first, escalated)):
+        assert after.tier == min(2, before.tier + steps)
+        assert after.fallback_steps == after.tier - before.tier
+        expected = _expected(executor, ids, mask, row, after.tier, Decision(budget=0.3))
+        torch.testing.assert_close(after.outputs["token_logprobs"], expected["token_logprobs"],
+                                   rtol=0, atol=1e-5)
