@@ -76,19 +76,24 @@ class QualityMonitor:
 
 
 class LatencyTracker:
-    """Latencies of the last `window` requests, and completions and arrivals per second over the
-    last `rate_window_s` (or since creation, when that is shorter). Every method takes an
-    optional `now` in `clock` seconds, so tests can replay fixed timestamps."""
+    """Latencies of the last `window` requests (only those of the last `latency_window_s`, when
+    given: after a burst, a quiet period must not keep reporting the burst's p99), and
+    completions and arrivals per second over the last `rate_window_s` (or since creation, when
+    that is shorter). Every method takes an optional `now` in `clock` seconds, so tests can
+    replay fixed timestamps."""
 
     def __init__(self, window: int = 512, rate_window_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
-        if window < 1 or rate_window_s <= 0:
-            raise ValueError("window must be >= 1 and rate_window_s positive")
+                 clock: Callable[[], float] = time.monotonic,
+                 latency_window_s: float | None = None):
+        if window < 1 or rate_window_s <= 0 or (latency_window_s is not None
+                                                 and latency_window_s <= 0):
+            raise ValueError("window must be >= 1 and rate_window_s, latency_window_s positive")
         self.rate_window_s = rate_window_s
+        self.latency_window_s = latency_window_s
         self.clock = clock
         self.completed = 0
         self._started = clock()
-        self._latencies: deque[float] = deque(maxlen=window)
+        self._latencies: deque[tuple[float, float]] = deque(maxlen=window)  # (time, seconds)
         self._completions: deque[tuple[float, int]] = deque()  # (time, requests)
         self._arrivals: deque[float] = deque()
         self._lock = threading.Lock()
@@ -99,23 +104,23 @@ class LatencyTracker:
             raise ValueError(f"n must be >= 1, got {n!r}")
         now = self.clock() if now is None else now
         with self._lock:
-            self._latencies.extend([float(latency_s)] * min(n, self._latencies.maxlen))
+            self._latencies.extend([(now, float(latency_s))] * min(n, self._latencies.maxlen))
             self._completions.append((now, n))
             self.completed += n
-            self._forget_before(now - self.rate_window_s)
+            self._forget(now)
 
     def record_arrival(self, now: float | None = None) -> None:
         """One request arrived."""
         now = self.clock() if now is None else now
         with self._lock:
             self._arrivals.append(now)
-            self._forget_before(now - self.rate_window_s)
+            self._forget(now)
 
     def arrival_rate(self, now: float | None = None) -> float:
         """Arrivals per second over the rate window."""
         now = self.clock() if now is None else now
         with self._lock:
-            self._forget_before(now - self.rate_window_s)
+            self._forget(now)
             return self._per_second(len(self._arrivals), now)
 
     def snapshot(self, now: float | None = None) -> dict[str, float]:
@@ -123,15 +128,20 @@ class LatencyTracker:
         `arrival_rate` in requests per second, and `completed`."""
         now = self.clock() if now is None else now
         with self._lock:
-            self._forget_before(now - self.rate_window_s)
-            latencies = sorted(self._latencies)
+            self._forget(now)
+            latencies = sorted(latency for _, latency in self._latencies)
             done = sum(n for _, n in self._completions)
             return {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99),
                     "throughput": self._per_second(done, now),
                     "arrival_rate": self._per_second(len(self._arrivals), now),
                     "completed": self.completed}
 
-    def _forget_before(self, cutoff: float) -> None:
+    def _forget(self, now: float) -> None:
+        """Drop what lies outside the windows ending at `now`."""
+        if self.latency_window_s is not None:
+            while self._latencies and self._latencies[0][0] <= now - self.latency_window_s:
+                self._latencies.popleft()
+        cutoff = now - self.rate_window_s
         while self._completions and self._completions[0][0] <= cutoff:
             self._completions.popleft()
         while self._arrivals and self._arrivals[0] <= cutoff:

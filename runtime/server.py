@@ -38,6 +38,7 @@ from .result_cache import ResultCache
 log = logging.getLogger(__name__)
 
 QOS_CLASSES = ("interactive", "standard", "batch")  # highest priority first
+LATENCY_WINDOW_S = 5.0   # policies see the p50 / p99 latency of the last 5 s
 
 
 class RequestError(UserError):
@@ -119,7 +120,7 @@ class AdaptiveServer:
         self.executor = TieredExecutor(compiled, tiers=self.config.tiers,
                                        early_exit=self.config.early_exit)
         self.result_cache = ResultCache(self.config.cache_bytes)
-        self.latency = LatencyTracker()
+        self.latency = LatencyTracker(latency_window_s=LATENCY_WINDOW_S)
         self.quality = QualityMonitor()
         self.resources = ResourceMonitor(queue_depth=lambda: len(self._queue), latency=self.latency,
                                          memory_override=memory_override)

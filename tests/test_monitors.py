@@ -166,3 +166,15 @@ def test_latest_is_safe_to_read_while_sampling():
         for thread in readers:
             thread.join()
     assert not errors, errors
+
+
+def test_latency_window_in_seconds_forgets_a_past_burst():
+    tracker = LatencyTracker(latency_window_s=5.0, clock=lambda: 0.0)
+    tracker.record(2.0, n=50, now=10.0)             # a slow burst
+    assert tracker.snapshot(now=12.0)["p99"] == pytest.approx(2.0)
+    tracker.record(0.05, now=16.0)                   # quiet: one fast request, burst is 6 s old
+    snapshot = tracker.snapshot(now=16.0)
+    assert snapshot["p50"] == pytest.approx(0.05) and snapshot["p99"] == pytest.approx(0.05)
+    assert math.isnan(tracker.snapshot(now=30.0)["p99"])
+    with pytest.raises(ValueError):
+        LatencyTracker(latency_window_s=0.0)
