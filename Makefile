@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test bench curves clean
+.PHONY: install demo test bench curves tidal clean
 
 install: $(STAMP)
 
@@ -30,15 +30,39 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_latency.py
 
-# Quality-latency curves on real data (long: calibration + sweeps, ~1 h on 2 cores).
+# Real-data artifacts (long: calibration on 2 cores), shared by `curves` and `tidal`.
 MR := $(or $(RBCOMPILE_CACHE),$(HOME)/.cache/rbcompile)/mr
-curves: $(STAMP)
+MINILM_MR := build/minilm-mr/manifest.json
+SMOLLM2_CALIB := build/smollm2-calib/manifest.json
+
+$(MR)/head.safetensors: | $(STAMP)
 	$(PY) benchmarks/prepare_classifier.py
+
+$(MINILM_MR): $(MR)/head.safetensors
 	$(VENV)/bin/rbcompile compile $(MR)/encoder --calib $(MR)/train.jsonl --calib-head $(MR)/head.safetensors \
 		--calib-samples 512 -o build/minilm-mr
-	$(VENV)/bin/rbcompile curve build/minilm-mr --data $(MR)/test.jsonl --classifier $(MR)/head.safetensors
+
+$(SMOLLM2_CALIB): | $(STAMP)
 	$(VENV)/bin/rbcompile compile smollm2-135m --calib default -o build/smollm2-calib
+
+# Quality-latency curves on real data (~1 h on 2 cores with the artifacts).
+curves: $(MINILM_MR) $(SMOLLM2_CALIB)
+	$(VENV)/bin/rbcompile curve build/minilm-mr --data $(MR)/test.jsonl --classifier $(MR)/head.safetensors
 	$(VENV)/bin/rbcompile curve build/smollm2-calib
+
+# The tidal benchmark: train the PPO serving policies (on data the benchmark does not replay),
+# then replay a 17x day against static-full, static-light, PID and PPO.
+MINILM_SLO_MS ?= 300
+SMOLLM2_SLO_MS ?= 3000
+tidal: $(MINILM_MR) $(SMOLLM2_CALIB)
+	$(VENV)/bin/rbcompile train-policy build/minilm-mr --workload $(MR)/train.jsonl \
+		--classifier $(MR)/head.safetensors --slo-ms $(MINILM_SLO_MS) -o build/minilm-mr-policy
+	$(PY) benchmarks/bench_tidal.py --model build/minilm-mr --workload $(MR)/test.jsonl $(MR)/reviews.jsonl \
+		--ppo build/minilm-mr-policy --slo-ms $(MINILM_SLO_MS)
+	$(VENV)/bin/rbcompile train-policy build/smollm2-calib --workload rbcompile/data/eval-tempest.txt \
+		--slo-ms $(SMOLLM2_SLO_MS) -o build/smollm2-policy
+	$(PY) benchmarks/bench_tidal.py --model build/smollm2-calib --ppo build/smollm2-policy \
+		--slo-ms $(SMOLLM2_SLO_MS)
 
 clean:
 	rm -rf build rbcompile-dump benchmarks/results
