@@ -4,14 +4,12 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from . import __version__
+from .atomic import write_folder
 from .codegen import generate_source
 from .compiler import attach_weights, instantiate
 from .errors import UserError
@@ -155,12 +153,7 @@ class CompiledModel:
         """Write the artifact folder atomically (temporary folder, then rename)."""
         from safetensors.torch import save_file
 
-        out_dir = Path(out_dir)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        try:
+        def write(tmp: Path) -> tuple[dict, list[str]]:
             graph_bytes = json.dumps(self.ir, indent=1).encode()
             (tmp / GRAPH).write_bytes(graph_bytes)
             (tmp / SOURCE).write_text(self.source)
@@ -194,22 +187,10 @@ class CompiledModel:
                           "config": CONFIG, "tokenizer": tokenizer_files},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            for file in tmp.iterdir():
-                file.chmod(0o666 & ~umask)
-            tmp.chmod(0o777 & ~umask)
-            if out_dir.exists():
-                if not (out_dir / MANIFEST).is_file():
-                    raise UserError(f"{out_dir} exists and is not an rbcompile artifact; "
-                                    "refusing to replace it")
-                old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-                os.replace(out_dir, old / "artifact")
-                os.replace(tmp, out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            return manifest, tokenizer_files
+
+        out_dir = Path(out_dir)
+        manifest, tokenizer_files = write_folder(out_dir, write, MANIFEST, "an rbcompile artifact")
         self.manifest = manifest
         self.tokenizer_dir = out_dir if tokenizer_files else None
         return out_dir

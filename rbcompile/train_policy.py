@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +28,7 @@ import torch
 
 from . import quality
 from .calibration_data import load_texts, paragraphs
+from .atomic import check_replaceable, write_folder
 from .compiled import load
 from .errors import UserError
 from .progress import say, step
@@ -45,6 +43,7 @@ QUALITY_BATCH = 16
 LATENCY_ROUNDS = 3
 EVALUATION_DAYS = 3
 TABLE_FILE = "table.json"
+POLICY_KIND = "a policy folder"
 
 
 def read_workload(path) -> list[str]:
@@ -199,39 +198,13 @@ def format_results(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def _check_output(output: Path) -> None:
-    if output.exists() and not (output / META_FILE).is_file():
-        raise UserError(f"{output} exists and is not a policy folder; refusing to replace it")
-
-
-def _write_atomically(output: Path, write) -> None:
-    """`write(folder)` into a temporary sibling folder, then rename it to `output`."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        write(tmp)
-        tmp.chmod(0o777 & ~umask)
-        if output.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
-            os.replace(output, old / "policy")
-            os.replace(tmp, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def train_policy(artifact, workload_path, output, *, classifier=None, slo_ms: float = 100.0,
                  steps: int = 20000, max_batch: int = 16, seed: int = 0) -> dict[str, dict]:
     """Measure, train, compare and write the policy folder; returns the comparison."""
     if steps < 1 or max_batch < 1 or not slo_ms > 0:
         raise UserError("--steps and --max-batch must be >= 1 and --slo-ms > 0")
     output = Path(output)
-    _check_output(output)
+    check_replaceable(output, META_FILE, POLICY_KIND)  # before minutes of work
     texts = read_workload(workload_path)
     compiled = load(artifact)
     if not compiled.plans:
@@ -279,7 +252,7 @@ def train_policy(artifact, workload_path, output, *, classifier=None, slo_ms: fl
     def write(folder: Path) -> None:
         policy.save(folder)
         (folder / TABLE_FILE).write_text(json.dumps(table_json, indent=1))
-    _write_atomically(output, write)
+    write_folder(output, write, META_FILE, POLICY_KIND)
     print(format_results(results))
     print(f"wrote {output}: {', '.join(sorted(p.name for p in output.iterdir()))}")
     return results
