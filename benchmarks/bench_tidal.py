@@ -7,7 +7,8 @@ Contenders (same trace, same server and batching):
   static-light  one plan for every request: the largest calibrated budget whose held-out
                 quality loss is <= 1 point; no tiers, early exit, result cache or fallback
   pid           the adaptive runtime (complexity tiers, early exit at off-ramps, result cache)
-                with PID on the p99 latency SLO moving the budget (0 .. the largest plan)
+                with PID on the p99 latency SLO moving the budget (0 .. the largest plan) and,
+                past the largest plan, the tier thresholds (up to --pid-tier-shift)
   ppo           the adaptive runtime with the PPO policy from `rbcompile train-policy`
                 (INT8, 5 ms fallback to static-full)
 
@@ -132,7 +133,7 @@ def replay(compiled, policy, trace, items, config: ServerConfig):
         records.append({"t": at, "item": request.item, "hard": request.hard, "qos": request.qos,
                         "error": str(error) if error else None,
                         "response": None if error else future.result()})
-    decisions = [(t - start, d.budget) for t, d, _ in server.decisions]
+    decisions = [(t - start, d.budget, d.tier_shift) for t, d, _ in server.decisions]
     return records, server, decisions
 
 
@@ -187,6 +188,7 @@ def summarise(name, records, server, references, labels, compiled, day_s) -> dic
             "offered_rps": len(records) / day_s,
             "p50_ms": 1e3 * pick(0.5), "p99_ms": 1e3 * pick(0.99),
             "mean_budget": statistics.mean(d.budget for _, d, _ in server.decisions),
+            "mean_tier_shift": statistics.mean(d.tier_shift for _, d, _ in server.decisions),
             "cache_hits": c["cache_hits"], "fallback_steps": c["fallback_steps"],
             "early_exits": sum(1 for r in records if r["response"] is not None
                                and r["response"].exit_layer >= 0),
@@ -221,11 +223,15 @@ def plot(path: Path, title: str, trace_info, timelines: dict, slo_s: float) -> N
     axes[0].set_title(title)
     for name, (decisions, latencies) in timelines.items():
         if decisions:
-            axes[1].step([t for t, _ in decisions], [b for _, b in decisions], where="post",
-                         label=name, alpha=0.8)
+            line, = axes[1].step([t for t, _, _ in decisions], [b for _, b, _ in decisions],
+                                 where="post", label=name, alpha=0.8)
+            if any(s for _, _, s in decisions):
+                axes[1].step([t for t, _, _ in decisions], [s for _, _, s in decisions],
+                             where="post", ls="--", color=line.get_color(), alpha=0.8,
+                             label=f"{name} tier shift")
         axes[2].plot(*zip(*latencies), label=name, alpha=0.8) if latencies else None
     axes[2].axhline(1e3 * slo_s, color="red", ls=":", label="SLO")
-    axes[1].set_ylabel("budget chosen")
+    axes[1].set_ylabel("budget (tier shift) chosen")
     axes[2].set_ylabel("p99 latency, 2 s windows (ms)")
     axes[2].set_yscale("log")
     axes[2].set_xlabel("seconds into the day")
@@ -263,6 +269,8 @@ def main() -> None:
                         help="SLO = this many full-path batch service times (default 3)")
     parser.add_argument("--slo-ms", type=float,
                         help="SLO in ms (overrides --slo-batches; use the policy's training SLO)")
+    parser.add_argument("--pid-tier-shift", type=float, default=1.0,
+                        help="how far PID may move the tier thresholds past the largest budget")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -301,8 +309,8 @@ def main() -> None:
                         ServerConfig(**static, tiers=Tiers(0.0, 0.0))),
         "static-light": (lambda: StaticPolicy(light, use_cache=False),
                          ServerConfig(**static, tiers=Tiers(1.0, 1.0))),
-        "pid": (lambda: PIDPolicy(PIDConfig(setpoint=slo, period_s=0.25), max_budget=max_budget),
-                config),
+        "pid": (lambda: PIDPolicy(PIDConfig(setpoint=slo, period_s=0.25), max_budget=max_budget,
+                                  max_tier_shift=args.pid_tier_shift), config),
     }
     if args.ppo:
         from rbcompile.runtime.ppo import PPOPolicy
@@ -343,6 +351,7 @@ def main() -> None:
                  ("p99_vs_full", "p99/full"), (metric, metric),
                  *([("agreement", "agree")] if metric != "agreement" else []),
                  ("quality_loss_points", "loss pts"), ("mean_budget", "budget"),
+                 ("mean_tier_shift", "shift"),
                  ("early_exits", "exits"), ("cache_hits", "cache"),
                  ("fallback_steps", "retries"), ("shed", "shed"),
                  ("lost", "lost"), ("policy_fallbacks", "fallbacks"),

@@ -113,6 +113,14 @@ class Tiers:
         if not 0 <= self.light_below <= self.full_from <= 1:
             raise ValueError("tier thresholds must satisfy 0 <= light_below <= full_from <= 1")
 
+    def shifted(self, shift: float) -> "Tiers":
+        """Both thresholds moved the share `shift` of the way to 1 (1: every request light):
+        under load a controller sends more requests to the cheaper tiers."""
+        if shift <= 0:
+            return self
+        move = lambda threshold: threshold + shift * (1 - threshold)  # noqa: E731
+        return Tiers(move(self.light_below), move(self.full_from), self.scales)
+
     def constant(self) -> int | None:
         """The tier of every request when the thresholds leave no choice, else None."""
         if self.full_from <= 0:

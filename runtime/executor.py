@@ -36,7 +36,7 @@ class RowResult:
 
 def plan_key(decision: Decision) -> str:
     """What a cached result depends on besides the input."""
-    return f"b{decision.budget:.4f}-w{decision.width:.3f}"
+    return f"b{decision.budget:.4f}-w{decision.width:.3f}-s{decision.tier_shift:.3f}"
 
 
 class TieredExecutor:
@@ -70,14 +70,15 @@ class TieredExecutor:
         runner, estimator = self.runner, self.estimator
         stage = runner.start(input_ids, attention_mask)
         uncertainty = None
-        probe = estimator.probe_layer if self.tiers.constant() is None else None
+        tiers = self.tiers.shifted(decision.tier_shift)
+        probe = estimator.probe_layer if tiers.constant() is None else None
         if probe is not None:
             runner.advance(stage, [True] * self.compiled.num_gates, until_layer=probe)
             uncertainty = estimator.uncertainty(runner, stage)
         scores = estimator.score(input_ids, attention_mask, uncertainty).tolist()
         rows_of_tier: dict[int, list[int]] = {0: [], 1: [], 2: []}
         for row, score in enumerate(scores):
-            rows_of_tier[self.tiers.tier(score)].append(row)
+            rows_of_tier[tiers.tier(score)].append(row)
         results: list[RowResult | None] = [None] * batch
         steps = [0] * batch
         for tier in (0, 1, 2):

@@ -59,11 +59,14 @@ class Decision:
     budget: float = 0.0        # fraction of prunable FLOPs to skip (light tier; see Tiers)
     width: float = 1.0         # head / channel width ratio cap; 1.0 = what the plan says
     use_cache: bool = True     # serve exact repeats from the result cache
+    tier_shift: float = 0.0    # move the tier thresholds this share of the way to 1 (Tiers.shifted)
 
     def __post_init__(self):
         check_budget(self.budget)
         if not (isinstance(self.width, (int, float)) and 0 < self.width <= 1):
             raise ValueError(f"width must be in (0, 1], got {self.width!r}")
+        if not (isinstance(self.tier_shift, (int, float)) and 0 <= self.tier_shift <= 1):
+            raise ValueError(f"tier_shift must be in [0, 1], got {self.tier_shift!r}")
 
 
 class BasePolicy(abc.ABC):
@@ -95,13 +98,21 @@ class StaticPolicy(BasePolicy):
 class PIDPolicy(BasePolicy):
     """Closed loop: a PID controller moves the budget to hold the p99 latency at the SLO
     (`target="latency"`) or the mean output confidence at a floor (`target="quality"`).
-    It updates once per control period (`config.period_s`; 0: on every observation)."""
+    It updates once per control period (`config.period_s`; 0: on every observation).
+
+    With `max_tier_shift > 0` the controller's range goes on past the largest budget: output
+    u gives budget min(u, max_budget) and tier shift u - max_budget beyond it, so under
+    sustained overload the tier thresholds rise and more requests take the light tiers."""
     name = "pid"
 
-    def __init__(self, config: PIDConfig, target: str = "latency", max_budget: float = 1.0):
+    def __init__(self, config: PIDConfig, target: str = "latency", max_budget: float = 1.0,
+                 max_tier_shift: float = 0.0):
         if target not in ("latency", "quality"):
             raise ValueError(f"target must be 'latency' or 'quality', got {target!r}")
-        config.output_max = min(config.output_max, max_budget)
+        if not 0 <= max_tier_shift <= 1:
+            raise ValueError(f"max_tier_shift must be in [0, 1], got {max_tier_shift!r}")
+        self.max_budget = min(config.output_max, max_budget)
+        config.output_max = self.max_budget + max_tier_shift
         self.controller = PIDController(config)
         self.target = target
         self._last_update: float | None = None
@@ -118,7 +129,9 @@ class PIDPolicy(BasePolicy):
         self.controller.update(measured, dt_periods=min(elapsed, 4.0))
 
     def decide(self, state: PolicyState) -> Decision:
-        return Decision(budget=self.controller.output)
+        output = self.controller.output
+        return Decision(budget=min(output, self.max_budget),
+                        tier_shift=min(1.0, max(0.0, output - self.max_budget)))
 
     def reset(self) -> None:
         self.controller.reset()

@@ -16,6 +16,7 @@ Bad requests (empty text, over-long input, unknown QoS class, bad budget) fail a
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -282,7 +283,7 @@ class AdaptiveServer:
             self.result_cache.restore()
             self._shrunk = False
         if state.memory >= marks.protect and decision.budget < marks.pressure_budget:
-            decision = Decision(marks.pressure_budget, decision.width, decision.use_cache)
+            decision = dataclasses.replace(decision, budget=marks.pressure_budget)
         return decision
 
     def _serve_batch(self, batch: list[_Queued]) -> None:
@@ -293,8 +294,8 @@ class AdaptiveServer:
         self.decisions.append((time.monotonic(), decision, state.queue_depth))
         pending = []
         for item in batch:
-            own = decision if item.budget is None else Decision(item.budget, decision.width,
-                                                                 decision.use_cache)
+            own = decision if item.budget is None else dataclasses.replace(decision,
+                                                                            budget=item.budget)
             key = ResultCache.key(self.fingerprint, plan_key(own), item.ids)
             hit = self.result_cache.get(key) if own.use_cache else None
             if hit is not None:

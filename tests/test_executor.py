@@ -61,6 +61,27 @@ def test_encoder_rows_exit_early_or_match_the_full_path(task_bert):
     assert all(0.5 <= r.confidence <= 1 for r in exits)
 
 
+def test_tier_shift_moves_rows_to_lighter_tiers(calibrated_tiny):
+    compiled = calibrated_tiny["llama"]
+    ids, mask = random_batch(6, 10, pad_row=False)
+    executor = TieredExecutor(compiled)
+    scores = sorted(r.score for r in executor.run(ids, mask, Decision()))
+    executor.tiers = Tiers(light_below=scores[2], full_from=scores[4])
+    assert executor.tiers.shifted(0.0) is executor.tiers
+    half = executor.tiers.shifted(0.5)
+    assert half.light_below == pytest.approx((1 + scores[2]) / 2)
+    assert half.full_from == pytest.approx((1 + scores[4]) / 2)
+    assert executor.tiers.shifted(1.0).constant() == 0
+    shifted = executor.run(ids, mask, Decision(budget=0.3, tier_shift=1.0))
+    assert all(r.tier == 0 for r in shifted)
+    gates, widths = executor.setting(0, Decision(budget=0.3))  # no probe: the plan throughout
+    out = compiled(ids, mask, gates=gates, widths=widths)
+    for row, result in enumerate(shifted):
+        expected = executor._summarise(out, ids, mask, row)
+        torch.testing.assert_close(result.outputs["token_logprobs"], expected["token_logprobs"],
+                                   rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("steps", (1, 2))
 def test_unconfident_rows_escalate_from_the_probe_and_match_the_higher_tier(calibrated_tiny, steps):
     compiled = calibrated_tiny["llama"]

@@ -65,3 +65,22 @@ def test_bad_decisions_and_targets_are_rejected():
         Decision(width=0)
     with pytest.raises(ValueError, match="target"):
         PIDPolicy(PIDConfig(setpoint=0.1), target="throughput")
+
+
+def test_pid_goes_past_the_largest_budget_into_tier_shift_and_back():
+    policy = PIDPolicy(PIDConfig(setpoint=0.1, period_s=0.0), max_budget=0.4, max_tier_shift=0.5)
+    decisions = []
+    for _ in range(30):  # sustained overload: 4x the SLO
+        policy.observe(PolicyState(latency_p99=0.4))
+        decisions.append(policy.decide(PolicyState()))
+    assert max(d.budget for d in decisions) == pytest.approx(0.4)
+    assert all(d.tier_shift == 0 for d in decisions if d.budget < 0.4)  # budget first
+    assert decisions[-1].tier_shift == pytest.approx(0.5)
+    for _ in range(30):
+        policy.observe(PolicyState(latency_p99=0.02))
+    assert policy.decide(PolicyState()).tier_shift == 0
+    assert PIDPolicy(PIDConfig(setpoint=0.1, period_s=0.0)).controller.config.output_max == 1.0
+    with pytest.raises(ValueError, match="max_tier_shift"):
+        PIDPolicy(PIDConfig(setpoint=0.1), max_tier_shift=1.5)
+    with pytest.raises(ValueError, match="tier_shift"):
+        Decision(tier_shift=-0.1)
