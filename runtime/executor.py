@@ -64,8 +64,9 @@ class TieredExecutor:
             confidence_threshold: float | None = None, max_fallback_steps: int = 0
             ) -> list[RowResult]:
         """Per-row results. Confidence fallback: a light or medium answer below
-        `confidence_threshold` is recomputed one tier higher (at most `max_fallback_steps`
-        times), from the probe boundary, batched with the rows already in that tier."""
+        `confidence_threshold` is recomputed in the next higher tier that computes something
+        different (at most `max_fallback_steps` times), from the probe boundary, batched with
+        the rows already in that tier."""
         batch = input_ids.shape[0]
         runner, estimator = self.runner, self.estimator
         stage = runner.start(input_ids, attention_mask)
@@ -81,6 +82,7 @@ class TieredExecutor:
             rows_of_tier[tiers.tier(score)].append(row)
         results: list[RowResult | None] = [None] * batch
         steps = [0] * batch
+        escalate_to = self._escalation_targets(decision)
         for tier in (0, 1, 2):
             if not rows_of_tier[tier]:
                 continue
@@ -95,14 +97,28 @@ class TieredExecutor:
             for row, result in self._finish(sub, tier, decision, batch, probe):
                 result.score = scores[row]
                 result.fallback_steps = steps[row]
-                if (confidence_threshold is not None and tier < 2 and result.confidence is not None
+                target = escalate_to[tier, result.exit_layer >= 0]
+                if (confidence_threshold is not None and target is not None
+                        and result.confidence is not None
                         and result.confidence < confidence_threshold
                         and steps[row] < max_fallback_steps):
                     steps[row] += 1
-                    rows_of_tier[tier + 1].append(row)
+                    rows_of_tier[target].append(row)
                 else:
                     results[row] = result
         return results
+
+    def _escalation_targets(self, decision: Decision) -> dict[tuple[int, bool], int | None]:
+        """Per (tier, whether the row exited early), the next higher tier that would compute a
+        different answer: another plan, or for an early exit a tier without exits. None when
+        there is none (escalating would repeat the same work)."""
+        plans = {tier: self.setting(tier, decision) for tier in (0, 1, 2)}
+        exits = {tier: tier < 2 and self.exit_threshold is not None for tier in (0, 1, 2)}
+
+        def target(tier: int, exited: bool) -> int | None:
+            return next((higher for higher in range(tier + 1, 3)
+                         if plans[higher] != plans[tier] or (exited and not exits[higher])), None)
+        return {(tier, exited): target(tier, exited) for tier in (0, 1, 2) for exited in (False, True)}
 
     def _finish(self, stage, tier: int, decision: Decision, batch: int, probe: int | None):
         """(original row, RowResult) for a tier's regrouped stage, run to the end."""

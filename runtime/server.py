@@ -4,8 +4,8 @@ Requests enter through `submit` (any thread) and get a `Future`. One worker thre
 highest-priority requests (QoS class, then arrival) up to `max_batch`, asks the policy for a
 `Decision`, serves exact repeats from the result cache, and runs the rest through the tiered
 executor (tiers become regrouped batches inside). A light-path answer whose confidence is below
-the preset's threshold is recomputed one tier higher, at most `max_fallback_steps` times (from
-the probe boundary, together with the rows already in that tier).
+the preset's threshold is recomputed in the next higher tier that would answer differently, at
+most `max_fallback_steps` times (from the probe boundary, with the rows already in that tier).
 
 Memory watermarks (system memory fraction from the resource monitor):
 - >= 60%: shrink the result cache to the preset's `cache_keep` share and clear the region cache;
@@ -49,7 +49,7 @@ class RequestError(UserError):
 @dataclass(frozen=True)
 class Preset:
     """Field-tested settings: accept a light answer at `confidence_threshold` or better, else
-    escalate at most `max_fallback_steps` tiers; keep `cache_keep` of the result cache at the
+    escalate at most `max_fallback_steps` times; keep `cache_keep` of the result cache at the
     60% watermark."""
     confidence_threshold: float
     max_fallback_steps: int

@@ -99,3 +99,28 @@ def test_unconfident_rows_escalate_from_the_probe_and_match_the_higher_tier(cali
         expected = _expected(executor, ids, mask, row, after.tier, Decision(budget=0.3))
         torch.testing.assert_close(after.outputs["token_logprobs"], expected["token_logprobs"],
                                    rtol=0, atol=1e-5)
+
+
+def test_no_escalation_into_a_tier_that_would_compute_the_same_answer(calibrated_tiny, task_bert):
+    compiled = calibrated_tiny["llama"]
+    ids, mask = random_batch(6, 10, pad_row=False)
+    executor = TieredExecutor(compiled)
+    scores = sorted(r.score for r in executor.run(ids, mask, Decision()))
+    executor.tiers = Tiers(light_below=scores[2], full_from=scores[4])
+    plain = executor.run(ids, mask, Decision(budget=0.0))   # every tier runs the full path
+    retried = executor.run(ids, mask, Decision(budget=0.0), confidence_threshold=1.01,
+                           max_fallback_steps=2)
+    assert [r.tier for r in retried] == [r.tier for r in plain]
+    assert all(r.fallback_steps == 0 for r in retried)
+    # encoder at budget 0: a row that ran to the end already has the full answer; one that
+    # exited early goes straight to the full tier (the medium tier would exit the same way)
+    bert_ids, bert_mask = random_batch(8, 12, seed=5)
+    exiting = TieredExecutor(task_bert, tiers=Tiers(light_below=1.0, full_from=1.0),
+                             exit_threshold=0.0)
+    assert exiting._escalation_targets(Decision()) == {
+        (0, False): None, (0, True): 2, (1, False): None, (1, True): 2,
+        (2, False): None, (2, True): None}
+    exiting.tiers = Tiers()
+    for result in exiting.run(bert_ids, bert_mask, Decision(), confidence_threshold=1.01,
+                              max_fallback_steps=2):
+        assert result.exit_layer == -1 and result.fallback_steps <= 1
