@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="calibrated artifact folder")
     parser.add_argument("--workload", nargs="+", help="JSONL files with text (+ label): the first "
                         "whole, the others sampled up to --pool; default: bundled text chunks")
-    parser.add_argument("--pool", type=int, default=6000, help="distinct workload inputs")
+    parser.add_argument("--pool", type=int, default=12000, help="distinct workload inputs")
     parser.add_argument("--ppo", help="folder written by `rbcompile train-policy`")
     parser.add_argument("--day-s", type=float, default=60.0, help="length of the replayed day")
     parser.add_argument("--peak-load", type=float, default=1.3,
@@ -294,6 +294,10 @@ def main() -> None:
     config = ServerConfig(max_batch=args.max_batch, max_tokens=args.max_tokens, slo_s=slo,
                           preset=NO_FALLBACK if args.preset == "none" else PRESETS[args.preset])
     trace = tidal_trace(easy, hard, duration=args.day_s, night_rate=peak / 17, seed=args.seed)
+    distinct = len({r.item for r in trace})
+    if distinct < 0.88 * len(trace):  # the trace repeats 10% on purpose; more hits the cache unfairly
+        print(f"   warning: only {distinct} distinct inputs for {len(trace)} requests: raise --pool",
+              file=sys.stderr)
     light = light_budget(compiled)
     print(f"== {name}: {len(items)} workload inputs ({len(hard)} hard); computing full-path "
           f"references of the {len({r.item for r in trace})} the trace uses", file=sys.stderr)

@@ -5,7 +5,9 @@ highest-priority requests (QoS class, then arrival) up to `max_batch`, asks the 
 `Decision`, serves exact repeats from the result cache, and runs the rest through the tiered
 executor (tiers become regrouped batches inside). A light-path answer whose confidence is below
 the preset's threshold is recomputed in the next higher tier that would answer differently, at
-most `max_fallback_steps` times (from the probe boundary, with the rows already in that tier).
+most `max_fallback_steps` times (from the probe boundary, with the rows already in that tier),
+except while the policy shifts the tier thresholds: then even the largest budget did not hold
+the SLO, and retries would only feed the overload.
 
 Memory watermarks (system memory fraction from the resource monitor):
 - >= 60%: shrink the result cache to the preset's `cache_keep` share and clear the region cache;
@@ -323,8 +325,9 @@ class AdaptiveServer:
             ids[row, :len(request)] = request
             mask[row, :len(request)] = 1
         preset = self.config.preset
-        results = self.executor.run(ids, mask, decision, preset.confidence_threshold,
-                                    preset.max_fallback_steps)
+        # a tier shift means the largest budget did not hold the SLO: no compute for retries
+        steps = 0 if decision.tier_shift > 0 else preset.max_fallback_steps
+        results = self.executor.run(ids, mask, decision, preset.confidence_threshold, steps)
         self.counters["fallback_steps"] += sum(r.fallback_steps for r in results)
         return results
 
