@@ -21,6 +21,15 @@ def _expected(executor, ids, mask, row, tier, decision):
     return executor._summarise(out, ids[row:row + 1], mask[row:row + 1], 0)
 
 
+def _two_rows_per_tier(compiled):
+    """An executor whose tier thresholds put two rows of a 6-row batch in each tier."""
+    ids, mask = random_batch(6, 10, pad_row=False)
+    executor = TieredExecutor(compiled)
+    scores = sorted(r.score for r in executor.run(ids, mask, Decision()))
+    executor.tiers = Tiers(light_below=scores[2], full_from=scores[4])
+    return executor, ids, mask, scores
+
+
 @pytest.mark.parametrize("arch", ("llama", "gpt2"))
 def test_decoder_tiers_regroup_rows_and_match_their_plans(calibrated_tiny, arch):
     compiled = calibrated_tiny[arch]
@@ -63,10 +72,7 @@ def test_encoder_rows_exit_early_or_match_the_full_path(task_bert):
 
 def test_tier_shift_moves_rows_to_lighter_tiers(calibrated_tiny):
     compiled = calibrated_tiny["llama"]
-    ids, mask = random_batch(6, 10, pad_row=False)
-    executor = TieredExecutor(compiled)
-    scores = sorted(r.score for r in executor.run(ids, mask, Decision()))
-    executor.tiers = Tiers(light_below=scores[2], full_from=scores[4])
+    executor, ids, mask, scores = _two_rows_per_tier(compiled)
     assert executor.tiers.shifted(0.0) is executor.tiers
     half = executor.tiers.shifted(0.5)
     assert half.light_below == pytest.approx((1 + scores[2]) / 2)
@@ -85,10 +91,7 @@ def test_tier_shift_moves_rows_to_lighter_tiers(calibrated_tiny):
 @pytest.mark.parametrize("steps", (1, 2))
 def test_unconfident_rows_escalate_from_the_probe_and_match_the_higher_tier(calibrated_tiny, steps):
     compiled = calibrated_tiny["llama"]
-    ids, mask = random_batch(6, 10, pad_row=False)
-    executor = TieredExecutor(compiled)
-    scores = sorted(r.score for r in executor.run(ids, mask, Decision()))
-    executor.tiers = Tiers(light_below=scores[2], full_from=scores[4])
+    executor, ids, mask, scores = _two_rows_per_tier(compiled)
     first = executor.run(ids, mask, Decision(budget=0.3))
     assert sorted(r.tier for r in first) == [0, 0, 1, 1, 2, 2]
     escalated = executor.run(ids, mask, Decision(budget=0.3), confidence_threshold=1.01,
@@ -103,10 +106,7 @@ def test_unconfident_rows_escalate_from_the_probe_and_match_the_higher_tier(cali
 
 def test_no_escalation_into_a_tier_that_would_compute_the_same_answer(calibrated_tiny, task_bert):
     compiled = calibrated_tiny["llama"]
-    ids, mask = random_batch(6, 10, pad_row=False)
-    executor = TieredExecutor(compiled)
-    scores = sorted(r.score for r in executor.run(ids, mask, Decision()))
-    executor.tiers = Tiers(light_below=scores[2], full_from=scores[4])
+    executor, ids, mask, scores = _two_rows_per_tier(compiled)
     plain = executor.run(ids, mask, Decision(budget=0.0))   # every tier runs the full path
     retried = executor.run(ids, mask, Decision(budget=0.0), confidence_threshold=1.01,
                            max_fallback_steps=2)
