@@ -54,6 +54,9 @@ curves: $(MINILM_MR) $(SMOLLM2_CALIB)
 # then replay a 17x day against static-full, static-light, PID and PPO.
 MINILM_SLO_MS ?= 300
 SMOLLM2_SLO_MS ?= 3000
+# SmolLM2 serves text it was neither calibrated (Emma) nor policy-trained (Tempest) on: Vim's
+# user manual, on every Debian machine (without it, the bundled excerpts).
+SMOLLM2_TRAFFIC ?= $(wildcard /usr/share/vim/vim90/doc/usr_0*.txt)
 tidal: $(MINILM_MR) $(SMOLLM2_CALIB)
 	$(VENV)/bin/rbcompile train-policy build/minilm-mr --workload $(MR)/train.jsonl \
 		--classifier $(MR)/head.safetensors --slo-ms $(MINILM_SLO_MS) -o build/minilm-mr-policy
@@ -62,7 +65,7 @@ tidal: $(MINILM_MR) $(SMOLLM2_CALIB)
 	$(VENV)/bin/rbcompile train-policy build/smollm2-calib --workload rbcompile/data/eval-tempest.txt \
 		--slo-ms $(SMOLLM2_SLO_MS) -o build/smollm2-policy
 	$(PY) benchmarks/bench_tidal.py --model build/smollm2-calib --ppo build/smollm2-policy \
-		--slo-ms $(SMOLLM2_SLO_MS)
+		--slo-ms $(SMOLLM2_SLO_MS) $(if $(SMOLLM2_TRAFFIC),--workload $(SMOLLM2_TRAFFIC))
 
 clean:
 	rm -rf build rbcompile-dump benchmarks/results

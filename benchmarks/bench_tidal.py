@@ -56,10 +56,11 @@ NO_FALLBACK = Preset(confidence_threshold=0.0, max_fallback_steps=0, cache_keep=
 def workload(compiled, sources: list[str] | None, max_tokens: int, pool: int, seed: int = 0):
     """(token id tensors, labels or None): JSONL texts (the first file whole, the others sampled
     to fill `pool` inputs; accuracy counts the first file's labels only, the others are served
-    and compared with the full model), or real text cut into chunks of 16..max_tokens tokens."""
+    and compared with the full model), or plain text files (default: the bundled excerpts) cut
+    into chunks of 16..max_tokens tokens."""
     tokenizer = compiled.tokenizer
     rng = random.Random(seed)
-    if sources:
+    if sources and all(Path(source).suffix == ".jsonl" for source in sources):
         texts, labels = load_labelled(Path(sources[0]))
         rest = [row for source in sources[1:] for row in zip(*load_labelled(Path(source)))]
         for text, _ in rng.sample(rest, max(0, min(len(rest), pool - len(texts)))):
@@ -68,7 +69,8 @@ def workload(compiled, sources: list[str] | None, max_tokens: int, pool: int, se
         ids = [tokenizer(t, truncation=True, max_length=max_tokens, return_tensors="pt")["input_ids"][0]
                for t in texts]
         return ids, labels
-    text = " ".join((DATA / f).read_text() for f in ("tempest-excerpt.txt", "emma-excerpt.txt"))
+    files = sources or [DATA / f for f in ("tempest-excerpt.txt", "emma-excerpt.txt")]
+    text = " ".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
     stream = tokenizer(text, return_tensors="pt")["input_ids"][0]
     items, at = [], 0
     while at + 16 < len(stream) and len(items) < pool:
@@ -259,7 +261,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="calibrated artifact folder")
     parser.add_argument("--workload", nargs="+", help="JSONL files with text (+ label): the first "
-                        "whole, the others sampled up to --pool; default: bundled text chunks")
+                        "whole, the others sampled up to --pool; or plain text files, cut into "
+                        "chunks; default: the bundled text excerpts")
     parser.add_argument("--pool", type=int, default=12000, help="distinct workload inputs")
     parser.add_argument("--ppo", help="folder written by `rbcompile train-policy`")
     parser.add_argument("--day-s", type=float, default=60.0, help="length of the replayed day")

@@ -9,11 +9,13 @@ least 200 inputs, each truncated to 512 tokens (or the model's positions). The m
 of the inputs (by `compiled.complexity`) counts as hard.
 
 Table: every (plan budget, width cap) pair, the caps being 1.0 and the artifact's width levels
-(a cap narrows each running region of the plan to at most that width). Quality drop per input
-vs the full path: with a classifier head, 1 if its argmax differs from the full path's; else
-decoders 1 - top-1 agreement, encoders 1 - cosine of pooled embeddings. Latency: one forward of
-the shortest and of the longest inputs at batch sizes 1, 4 and `max_batch`, median of 3
-interleaved rounds, fitted per setting as fixed + per_token * batch * tokens.
+(a cap narrows each running region of the plan to at most that width), each served the way the
+runtime serves it: through the tiered executor with its default tiers and early exit at the
+off-ramps (the confidence fallback is left out). Quality drop per input vs the full path: with a
+classifier head, 1 if its argmax differs from the full path's; else decoders 1 - top-1
+agreement, encoders 1 - cosine of pooled embeddings. Latency: the shortest and the longest
+inputs at batch sizes 1, 4 and `max_batch`, median of 3 interleaved rounds, fitted per setting
+as fixed + per_token * batch * tokens.
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ from .atomic import check_replaceable, write_folder
 from .compiled import load
 from .errors import UserError
 from .progress import say, step
-from .runtime.policy import BasePolicy, StaticPolicy
+from .runtime.complexity import Tiers
+from .runtime.executor import RowResult, TieredExecutor
+from .runtime.policy import BasePolicy, Decision, StaticPolicy
 from .runtime.ppo import META_FILE, PPOConfig, PPOPolicy, train_ppo
 from .runtime.simulator import (ServiceTable, ServingSimulator, Setting, SimConfig,
                                 WorkloadItem, fit_latency)
@@ -96,78 +100,82 @@ class _Inputs:
                 for rows in (by_length[:size], by_length[-size:])]
 
 
-def _settings(compiled) -> dict[tuple[float, float], tuple[list[bool], list[float] | None]]:
-    """(budget, width cap) -> (gates, widths) for every plan and width cap."""
+def _settings(compiled) -> list[Decision]:
+    """Every (plan budget, width cap) decision; a cap narrows each running region to at most it."""
     caps = (1.0, *getattr(compiled.module, "WIDTH_LEVELS", ()))
-    settings = {}
-    for plan in compiled.plans:
-        gates, widths = compiled.plan_for_budget(plan["budget"])
-        for cap in caps:
-            capped = widths if cap == 1.0 else [min(w, cap) for w in widths or [1.0] * len(gates)]
-            settings[(plan["budget"], cap)] = (gates, capped)
-    return settings
+    return [Decision(plan["budget"], cap) for plan in compiled.plans for cap in caps]
 
 
-def _drops(compiled, inputs: _Inputs, head, unique: dict) -> dict[tuple, list[float]]:
-    """Per setting, the quality drop of each input vs the full path (see module docstring)."""
-    family = compiled.family
-    drops: dict[tuple, list[float]] = {key: [] for key in unique}
-    for index, (ids, mask) in enumerate(inputs.batches, 1):
-        full = compiled(ids, mask)
-        reference = quality.reference(family, full, mask)
-        labels = (quality.head_logits(head, full["last_hidden_state"], mask).argmax(-1)
-                  if head is not None else None)
-        for key, (gates, widths) in unique.items():
-            out = compiled(ids, mask, gates=gates, widths=widths)
-            for i in range(len(ids)):
-                row = quality.measure(family, {k: v[i:i + 1] for k, v in out.items()},
-                                      ids[i:i + 1], mask[i:i + 1], reference[i:i + 1],
-                                      labels=None if labels is None else labels[i:i + 1], head=head)
-                drops[key].append(max(0.0, 1.0 - row["agree_sum"] / row["agree_count"]))
-        if index % 10 == 0 or index == len(inputs.batches):
-            say(f"  quality: batch {index}/{len(inputs.batches)}")
-    return drops
+def _answers(executor: TieredExecutor, batches, decision: Decision) -> list[RowResult]:
+    return [row for ids, mask in batches for row in executor.run(ids, mask, decision)]
 
 
-def _latency_points(compiled, batches, unique: dict) -> dict[tuple, list[tuple[int, int, float]]]:
-    """Per setting, (batch size, tokens per request, median seconds) of each batch: interleaved
-    rounds after a warm-up round."""
-    times: dict[tuple, list[list[float]]] = {key: [[] for _ in batches] for key in unique}
+def _drop(answer: dict, reference: dict, head) -> float:
+    """One input's quality drop against the full path's answer (see module docstring)."""
+    if head is not None:
+        def label(summary):
+            logits = summary["logits"] if "logits" in summary else \
+                summary["embedding"] @ head[0].T + head[1]
+            return int(logits.argmax())
+        return float(label(answer) != label(reference))
+    if "top1" in reference:
+        return 1.0 - float((answer["top1"] == reference["top1"]).float().mean())
+    return max(0.0, 1.0 - float(answer["embedding"] @ reference["embedding"]))
+
+
+def _drops(compiled, inputs: _Inputs, head, decisions: list[Decision]):
+    """Per decision, each input's quality drop vs the full path, and the mean share of prunable
+    FLOPs skipped, as the server's executor runs it."""
+    full = TieredExecutor(compiled, tiers=Tiers(0.0, 0.0), early_exit=False)
+    references = [r.outputs for r in _answers(full, inputs.batches, Decision())]
+    executor = TieredExecutor(compiled)
+    drops, skipped = {}, {}
+    for index, decision in enumerate(decisions, 1):
+        answers = _answers(executor, inputs.batches, decision)
+        drops[decision] = [_drop(a.outputs, ref, head) for a, ref in zip(answers, references)]
+        skipped[decision] = statistics.mean(a.skipped for a in answers)
+        say(f"  quality: setting {index}/{len(decisions)} (budget {decision.budget:g}, width "
+            f"{decision.width:g}): mean drop {statistics.mean(drops[decision]):.2%}")
+    return drops, skipped
+
+
+def _latency_points(compiled, batches, decisions: list[Decision]) -> dict[Decision, list]:
+    """Per decision, (batch size, tokens per request, median seconds) of each batch through the
+    executor: interleaved rounds after a warm-up round."""
+    executor = TieredExecutor(compiled)
+    times = {decision: [[] for _ in batches] for decision in decisions}
     for round_index in range(LATENCY_ROUNDS + 1):
-        for key, (gates, widths) in unique.items():
+        for decision in decisions:
             for slot, (ids, mask) in enumerate(batches):
                 start = time.perf_counter()
-                compiled(ids, mask, gates=gates, widths=widths)
+                executor.run(ids, mask, decision)
                 if round_index:
-                    times[key][slot].append(time.perf_counter() - start)
+                    times[decision][slot].append(time.perf_counter() - start)
         if round_index:
             say(f"  latency round {round_index}/{LATENCY_ROUNDS}")
-    return {key: [(ids.shape[0], ids.shape[1], statistics.median(samples))
-                  for (ids, _), samples in zip(batches, per_batch)]
-            for key, per_batch in times.items()}
+    return {decision: [(ids.shape[0], ids.shape[1], statistics.median(samples))
+                       for (ids, _), samples in zip(batches, per_batch)]
+            for decision, per_batch in times.items()}
 
 
 def measure_table(compiled, inputs: _Inputs, workload: list[WorkloadItem], head,
                   max_batch: int, source: str) -> ServiceTable:
-    """Measure quality drop and latency of every (budget, width cap) setting."""
-    settings = _settings(compiled)
-    unique = {}
-    for gates, widths in settings.values():
-        unique.setdefault((tuple(gates), tuple(widths) if widths else None), (gates, widths))
-    with step(f"measuring quality of {len(unique)} distinct settings on {len(inputs.rows)} inputs"):
-        drops = _drops(compiled, inputs, head, unique)
-    with step(f"measuring latency of {len(unique)} settings at batch sizes up to {max_batch}"):
-        points = _latency_points(compiled, inputs.latency_batches(max_batch), unique)
+    """Measure quality drop and latency of every (budget, width cap) setting, served the way the
+    runtime serves it (complexity tiers, early exit at off-ramps; no confidence fallback)."""
+    decisions = _settings(compiled)
+    with step(f"measuring quality of {len(decisions)} settings on {len(inputs.rows)} inputs"):
+        drops, skipped = _drops(compiled, inputs, head, decisions)
+    with step(f"measuring latency of {len(decisions)} settings at batch sizes up to {max_batch}"):
+        points = _latency_points(compiled, inputs.latency_batches(max_batch), decisions)
     rows = []
-    for (budget, cap), (gates, widths) in settings.items():
-        key = (tuple(gates), tuple(widths) if widths else None)
-        per_input = drops[key]
+    for decision in decisions:
+        per_input = drops[decision]
         easy = [d for d, w in zip(per_input, workload) if not w.hard]
         hard = [d for d, w in zip(per_input, workload) if w.hard]
-        fixed, per_token = fit_latency(points[key])
-        rows.append(Setting(budget, cap, sum(easy) / len(easy), sum(hard) / len(hard),
-                            sum(per_input) / len(per_input), fixed, per_token,
-                            compiled.skipped_share(gates, widths)))
+        fixed, per_token = fit_latency(points[decision])
+        rows.append(Setting(decision.budget, decision.width, sum(easy) / len(easy),
+                            sum(hard) / len(hard), sum(per_input) / len(per_input), fixed,
+                            per_token, skipped[decision]))
     if head is not None:
         metric = "classifier argmax disagreement with the full path"
     elif compiled.family == "decoder":

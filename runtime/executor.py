@@ -8,7 +8,8 @@
    they reach confidently; the full tier never exits.
 
 Results are compact, per row: encoders give the pooled embedding (and task logits with a head),
-decoders the log-probability of every real next token and the next-token prediction.
+decoders the log-probability of every real next token, the top-1 token at every real position
+and the next-token prediction.
 """
 from __future__ import annotations
 
@@ -168,8 +169,9 @@ class TieredExecutor:
             logits = outputs["logits"][index][real]
             log_probs = logits.log_softmax(-1)
             tokens = ids[index][real]
+            top1 = log_probs.argmax(-1)
             return {"token_logprobs": log_probs[:-1].gather(1, tokens[1:, None]).squeeze(1),
-                    "next_token": log_probs[-1].argmax().reshape(1),
+                    "top1": top1, "next_token": top1[-1:],
                     "next_token_prob": log_probs[-1].max().exp().reshape(1)}
         hidden = outputs["last_hidden_state"][index:index + 1]
         summary = {"embedding": mean_pool(hidden, mask[index:index + 1])[0]}

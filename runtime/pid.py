@@ -6,8 +6,9 @@ plant needs it without a standing error):
     K_k = a*e_k + b*sum(e) + c*(e_k - e_{k-1}) / dt        u_k = clamp(u_{k-1} + K_k)
 
 Defaults follow field practice: b = a/3, c = a/5. The error is normalised by the setpoint,
-`e = (measured - setpoint) / setpoint`, and raises the budget when positive: latency above the SLO
-must skip more; quality above the floor may skip more, and quality below it must skip less.
+`e = (measured - setpoint) / setpoint`, clipped to +-`error_limit`, and raises the budget when
+positive: latency above the SLO must skip more; quality above the floor may skip more, and
+quality below it must skip less.
 Anti-windup: the integral does not grow while the output is clamped and the error pushes further
 into the clamp, and it restarts when the error changes sign (the velocity form already holds the
 output there; a stale sum would only overshoot).
@@ -28,10 +29,14 @@ class PIDConfig:
     output_max: float = 1.0
     initial: float = 0.0
     period_s: float = 0.05          # control period (50 ms default, 20 ms high-assurance)
+    error_limit: float = 1.0        # |relative error| is clipped here: 10x the SLO is no
+                                    # reason to jump the whole range in one period
 
     def __post_init__(self):
         if not (math.isfinite(self.setpoint) and self.setpoint > 0):
             raise ValueError(f"setpoint must be a positive number, got {self.setpoint!r}")
+        if not self.error_limit > 0:
+            raise ValueError(f"error_limit must be positive, got {self.error_limit!r}")
         if not self.output_min <= self.initial <= self.output_max:
             raise ValueError("initial output must lie within [output_min, output_max]")
         self.b = self.a / 3 if self.b is None else self.b
@@ -48,7 +53,9 @@ class PIDController:
         self.output = config.initial
 
     def error(self, measurement: float) -> float:
-        return (measurement - self.config.setpoint) / self.config.setpoint
+        cfg = self.config
+        relative = (measurement - cfg.setpoint) / cfg.setpoint
+        return max(-cfg.error_limit, min(cfg.error_limit, relative))
 
     def update(self, measurement: float, dt_periods: float = 1.0) -> float:
         cfg = self.config

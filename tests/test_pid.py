@@ -62,3 +62,12 @@ def test_defaults_and_bad_config():
             PIDConfig(**bad)
     controller = PIDController(PIDConfig(setpoint=1.0))
     assert controller.update(float("nan")) == controller.output
+
+
+def test_a_huge_error_moves_the_output_no_more_than_the_error_limit_allows():
+    controller = PIDController(PIDConfig(setpoint=0.1, output_max=2.0))
+    first = controller.update(1.0)          # 10x the SLO: relative error 9, clipped to 1
+    cfg = controller.config
+    assert first == pytest.approx(cfg.a + cfg.b)
+    with pytest.raises(ValueError, match="error_limit"):
+        PIDConfig(setpoint=0.1, error_limit=0)

@@ -155,6 +155,9 @@ def test_cli_train_policy(bert_artifact, tmp_path, capsys):
     table = ServiceTable.from_json(json.loads((out / "table.json").read_text()))
     assert table.widths == (1.0, 0.75, 0.5) and len(table.budgets) == 11
     assert all(s.per_token_s > 0 or s.fixed_s > 0 for s in table.settings)
+    full = next(s for s in table.settings if (s.budget, s.width) == (0.0, 1.0))
+    assert full.drop < 1e-6 and full.skipped_share == 0  # the executor's full path is exact
+    assert max(s.drop for s in table.settings) > 0 and max(s.skipped_share for s in table.settings) > 0
     printed = capsys.readouterr().out
     assert "ppo (int8)" in printed and "static full" in printed and "(<= 1 pt)" in printed
     assert PPOPolicy.load(out).info["training"]["steps"] == 300
