@@ -38,7 +38,7 @@ from .runtime.complexity import Tiers
 from .runtime.executor import RowResult, TieredExecutor
 from .runtime.policy import BasePolicy, Decision, StaticPolicy
 from .runtime.ppo import META_FILE, PPOConfig, PPOPolicy, train_ppo
-from .runtime.simulator import (ServiceTable, ServingSimulator, Setting, SimConfig,
+from .runtime.simulator import (FREE_DROP, ServiceTable, ServingSimulator, Setting, SimConfig,
                                 WorkloadItem, fit_latency)
 
 MIN_INPUTS = 200
@@ -244,7 +244,8 @@ def train_policy(artifact, workload_path, output, *, classifier=None, slo_ms: fl
         results = evaluate(simulator, {
             "ppo (int8)": policy,
             "static full": StaticPolicy(0.0, 1.0, True),
-            f"static budget {within.budget:g} width {within.width:g} (<= 1 pt)":
+            f"static budget {within.budget:g} width {within.width:g} "
+            f"({'<= 1 pt' if within.drop <= FREE_DROP else 'least drop'})":
                 StaticPolicy(within.budget, within.width, True)})
         statics = evaluate(simulator, {
             f"best static: budget {s.budget:g} width {s.width:g}":

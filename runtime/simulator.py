@@ -129,8 +129,11 @@ class ServiceTable:
         return self._by_key[(level, min(above) if above else min(self.widths))]
 
     def within_one_point(self) -> Setting:
-        """The largest budget (then narrowest width) whose drop is at most 1 point."""
+        """The largest budget (then narrowest width) whose drop is at most 1 point; when none is
+        (early exits alone may cost more), the setting with the least drop."""
         fine = [s for s in self.settings if s.drop <= FREE_DROP + 1e-12]
+        if not fine:
+            return min(self.settings, key=lambda s: (s.drop, -s.budget))
         return max(fine, key=lambda s: (s.budget, -s.width))
 
     def to_json(self) -> dict:

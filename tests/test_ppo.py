@@ -72,6 +72,9 @@ def test_reward_formula_and_table_round_trip(simulator):
     assert ServiceTable.from_json(json.loads(json.dumps(table.to_json()))) == table
     assert table.lookup(0.3, 0.6) == table.lookup(0.25, 1.0)  # largest budget <=, cap >=
     assert table.within_one_point().budget == 0.0
+    costly = ServiceTable([Setting(0.0, 1.0, 0.02, 0.02, 0.02, 0.01, 0.0),
+                           Setting(0.3, 1.0, 0.05, 0.05, 0.05, 0.005, 0.0)])
+    assert costly.within_one_point().budget == 0.0  # nothing within a point: the least drop
     days = [simulator.run(StaticPolicy(0.25, 1.0, use_cache), seed=7) for use_cache in (0, 1)]
     assert days[0].requests == days[1].requests == len(simulator.trace)
     assert min(days[1].latencies) < 1e-3 < min(days[0].latencies)  # cache hits cost ~0
