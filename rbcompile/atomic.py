@@ -20,8 +20,9 @@ def check_replaceable(out_dir: Path, marker: str, kind: str) -> None:
 
 def write_folder(out_dir, write: Callable[[Path], T], marker: str, kind: str) -> T:
     """Call `write(tmp)` on a fresh temporary folder next to `out_dir`, then rename it to
-    `out_dir`; returns what `write` returned. An existing `out_dir` is replaced only if it holds `marker` (it is an earlier
-    `kind`); a failure leaves no temporary folder and the old `out_dir` untouched."""
+    `out_dir`; returns what `write` returned. An existing `out_dir` is replaced only if it holds
+    `marker` (it is an earlier `kind`); a failure leaves no temporary folder and the old
+    `out_dir` untouched."""
     out_dir = Path(out_dir)
     check_replaceable(out_dir, marker, kind)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
