@@ -297,14 +297,15 @@ def main() -> None:
     config = ServerConfig(max_batch=args.max_batch, max_tokens=args.max_tokens, slo_s=slo,
                           preset=NO_FALLBACK if args.preset == "none" else PRESETS[args.preset])
     trace = tidal_trace(easy, hard, duration=args.day_s, night_rate=peak / 17, seed=args.seed)
-    distinct = len({r.item for r in trace})
+    used = {r.item for r in trace}
+    distinct = len(used)
     if distinct < 0.88 * len(trace):  # the trace repeats 10% on purpose; more hits the cache unfairly
         print(f"   warning: only {distinct} distinct inputs for {len(trace)} requests: raise --pool",
               file=sys.stderr)
     light = light_budget(compiled)
     print(f"== {name}: {len(items)} workload inputs ({len(hard)} hard); computing full-path "
-          f"references of the {len({r.item for r in trace})} the trace uses", file=sys.stderr)
-    references = full_references(compiled, items, {r.item for r in trace})
+          f"references of the {distinct} the trace uses", file=sys.stderr)
+    references = full_references(compiled, items, used)
     print(f"   full-path capacity {capacity:.1f} req/s; peak {peak:.1f} req/s, night "
           f"{peak / 17:.2f} req/s; SLO {1e3 * slo:.0f} ms; {len(trace)} requests; light budget "
           f"{light:.2f}", file=sys.stderr)

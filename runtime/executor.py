@@ -83,7 +83,8 @@ class TieredExecutor:
             rows_of_tier[tiers.tier(score)].append(row)
         results: list[RowResult | None] = [None] * batch
         steps = [0] * batch
-        escalate_to = self._escalation_targets(decision)
+        plans = {tier: self.setting(tier, decision) for tier in (0, 1, 2)}
+        escalate_to = self._escalation_targets(plans)
         for tier in (0, 1, 2):
             if not rows_of_tier[tier]:
                 continue
@@ -95,7 +96,7 @@ class TieredExecutor:
             else:  # nothing probed: the tier's rows start as their own batch
                 sub = runner.start(input_ids[rows], attention_mask[rows])
                 sub.rows = rows
-            for row, result in self._finish(sub, tier, decision, batch, probe):
+            for row, result in self._finish(sub, tier, plans[tier], batch, probe):
                 result.score = scores[row]
                 result.fallback_steps = steps[row]
                 target = escalate_to[tier, result.exit_layer >= 0]
@@ -109,24 +110,27 @@ class TieredExecutor:
                     results[row] = result
         return results
 
-    def _escalation_targets(self, decision: Decision) -> dict[tuple[int, bool], int | None]:
-        """Per (tier, whether the row exited early), the next higher tier that would compute a
-        different answer: another plan, or for an early exit a tier without exits. None when
-        there is none (escalating would repeat the same work)."""
-        plans = {tier: self.setting(tier, decision) for tier in (0, 1, 2)}
-        exits = {tier: tier < 2 and self.exit_threshold is not None for tier in (0, 1, 2)}
+    def _exits(self, tier: int) -> bool:
+        """Whether rows of `tier` may leave at an off-ramp (the full tier never does)."""
+        return tier < 2 and self.exit_threshold is not None
 
+    def _escalation_targets(self, plans: dict) -> dict[tuple[int, bool], int | None]:
+        """Per (tier, whether the row exited early), the next higher tier that would compute a
+        different answer: another plan (`plans`: tier -> (gates, widths)), or for an early exit
+        a tier without exits. None when there is none (escalating would repeat the same work)."""
         def target(tier: int, exited: bool) -> int | None:
             return next((higher for higher in range(tier + 1, 3)
-                         if plans[higher] != plans[tier] or (exited and not exits[higher])), None)
+                         if plans[higher] != plans[tier] or (exited and not self._exits(higher))),
+                        None)
         return {(tier, exited): target(tier, exited) for tier in (0, 1, 2) for exited in (False, True)}
 
-    def _finish(self, stage, tier: int, decision: Decision, batch: int, probe: int | None):
-        """(original row, RowResult) for a tier's regrouped stage, run to the end."""
-        compiled, runner, ramps = self.compiled, self.runner, self.compiled.offramps
-        gates, widths = self.setting(tier, decision)
+    def _finish(self, stage, tier: int, plan, batch: int, probe: int | None):
+        """(original row, RowResult) for a tier's regrouped stage run to the end with `plan`
+        (gates, widths)."""
+        runner, ramps = self.runner, self.compiled.offramps
+        gates, widths = plan
         finished = []
-        if tier < 2 and self.exit_threshold is not None:
+        if self._exits(tier):
             logits = torch.empty(batch, ramps.head[0].shape[0])
             exit_layer = torch.full((batch,), -1, dtype=torch.long)
             before = stage.rows.tolist()

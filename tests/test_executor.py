@@ -117,7 +117,7 @@ def test_no_escalation_into_a_tier_that_would_compute_the_same_answer(calibrated
     bert_ids, bert_mask = random_batch(8, 12, seed=5)
     exiting = TieredExecutor(task_bert, tiers=Tiers(light_below=1.0, full_from=1.0),
                              exit_threshold=0.0)
-    assert exiting._escalation_targets(Decision()) == {
+    assert exiting._escalation_targets({t: exiting.setting(t, Decision()) for t in (0, 1, 2)}) == {
         (0, False): None, (0, True): 2, (1, False): None, (1, True): 2,
         (2, False): None, (2, True): None}
     exiting.tiers = Tiers()
