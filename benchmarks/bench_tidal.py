@@ -101,17 +101,26 @@ def light_budget(compiled) -> float:
     return max(within) if max(within) > 0 else min(nonzero)
 
 
-def measure_capacity(compiled, items, easy, hard, config: ServerConfig, count: int = 160,
-                     seed: int = 0) -> float:
-    """Full-path requests per busy second, closed loop (everything queued at once), on the
-    midday mix of easy and hard inputs."""
+def midday_sample(easy, hard, count: int, seed: int = 0) -> list[int]:
+    """`count` workload indices drawn with the midday share of hard inputs."""
     rng = random.Random(seed)
     share = hard_share(0.5, 1.0)
-    sample = [rng.choice(hard if rng.random() < share else easy) for _ in range(count)]
-    with AdaptiveServer(compiled, StaticPolicy(0.0, use_cache=False), config) as server:
-        for f in [server.submit(input_ids=items[i]) for i in sample]:
-            f.result()
-    return server.counters["completed"] / server.counters["busy_s"]
+    return [rng.choice(hard if rng.random() < share else easy) for _ in range(count)]
+
+
+def closed_loop(compiled, policy, config: ServerConfig, inputs: list[torch.Tensor]):
+    """Queue every input at once; (completed requests per busy second, responses in order)."""
+    with AdaptiveServer(compiled, policy, config) as server:
+        responses = [f.result() for f in [server.submit(input_ids=ids) for ids in inputs]]
+    return server.counters["completed"] / server.counters["busy_s"], responses
+
+
+def measure_capacity(compiled, items, easy, hard, config: ServerConfig, count: int = 160,
+                     seed: int = 0) -> float:
+    """Full-path requests per busy second, closed loop, on the midday mix of easy and hard inputs."""
+    sample = midday_sample(easy, hard, count, seed)
+    return closed_loop(compiled, StaticPolicy(0.0, use_cache=False), config,
+                       [items[i] for i in sample])[0]
 
 
 def replay(compiled, policy, trace, items, config: ServerConfig):

@@ -88,8 +88,9 @@ class StaticPolicy(BasePolicy):
     """Open loop: always the same decision."""
     name = "static"
 
-    def __init__(self, budget: float = 0.0, width: float = 1.0, use_cache: bool = True):
-        self.decision = Decision(budget, width, use_cache)
+    def __init__(self, budget: float = 0.0, width: float = 1.0, use_cache: bool = True,
+                 tier_shift: float = 0.0):
+        self.decision = Decision(budget, width, use_cache, tier_shift)
 
     def decide(self, state: PolicyState) -> Decision:
         return self.decision

@@ -133,8 +133,7 @@ def test_unconfident_light_answers_escalate_at_most_max_steps(task_bert):
     with AdaptiveServer(task_bert, StaticPolicy(0.3), config) as server:
         response = server.submit(TEXT).result(10)
     assert response.fallback_steps == 1 and response.tier == 1
-    overloaded = StaticPolicy(0.3)
-    overloaded.decision = Decision(0.3, tier_shift=0.5)  # past the largest budget: no retries
+    overloaded = StaticPolicy(0.3, tier_shift=0.5)  # past the largest budget: no retries
     with AdaptiveServer(task_bert, overloaded, config) as server:
         response = server.submit(TEXT).result(10)
     assert response.fallback_steps == 0 and response.tier == 0
