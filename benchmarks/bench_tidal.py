@@ -169,17 +169,12 @@ def quality(compiled, records, references, labels) -> dict:
 
 def full_references(compiled, items, wanted) -> dict[int, dict]:
     """Full-path answers of the workload items in `wanted` (those the trace uses)."""
-    from rbcompile.runtime.executor import TieredExecutor
+    from rbcompile.runtime.executor import TieredExecutor, pad_batch
     from rbcompile.runtime.policy import Decision
     executor = TieredExecutor(compiled, tiers=Tiers(0.0, 0.0))  # every row full: no exits
     order, refs = sorted(wanted), {}
     for i in range(0, len(order), 16):
-        chunk = [items[j] for j in order[i:i + 16]]
-        width = max(len(x) for x in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, x in enumerate(chunk):
-            ids[row, :len(x)], mask[row, :len(x)] = x, 1
+        ids, mask = pad_batch([items[j] for j in order[i:i + 16]])
         for index, result in zip(order[i:i + 16], executor.run(ids, mask, Decision())):
             out = result.outputs
             refs[index] = ({"label": int(out["logits"].argmax())} if "logits" in out else

@@ -35,7 +35,7 @@ from .compiled import load
 from .errors import UserError
 from .progress import say, step
 from .runtime.complexity import Tiers
-from .runtime.executor import RowResult, TieredExecutor
+from .runtime.executor import RowResult, TieredExecutor, pad_batch
 from .runtime.policy import BasePolicy, Decision, StaticPolicy
 from .runtime.ppo import META_FILE, PPOConfig, PPOPolicy, train_ppo
 from .runtime.simulator import (FREE_DROP, ServiceTable, ServingSimulator, Setting, SimConfig,
@@ -63,17 +63,6 @@ def read_workload(path) -> list[str]:
     return texts
 
 
-def _padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [batch, longest] token ids and the attention mask."""
-    longest = max(len(r) for r in rows)
-    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
-    return ids, mask
-
-
 class _Inputs:
     """The tokenised workload, batched for measurement."""
 
@@ -83,7 +72,7 @@ class _Inputs:
         encoded = tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
         self.rows = [row for row in encoded if row]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.batches = [_padded(self.rows[i:i + QUALITY_BATCH], self.pad_id)
+        self.batches = [pad_batch(self.rows[i:i + QUALITY_BATCH], self.pad_id)
                         for i in range(0, len(self.rows), QUALITY_BATCH)]
 
     def workload(self, compiled) -> list[WorkloadItem]:
@@ -96,7 +85,7 @@ class _Inputs:
         """The shortest and the longest inputs at batch sizes 1, 4 and max_batch."""
         by_length = sorted(self.rows, key=len)
         sizes = sorted({1, min(4, max_batch), max_batch})
-        return [_padded(rows, self.pad_id) for size in sizes
+        return [pad_batch(rows, self.pad_id) for size in sizes
                 for rows in (by_length[:size], by_length[-size:])]
 
 

@@ -35,6 +35,17 @@ class RowResult:
     fallback_steps: int = 0    # tiers this row was escalated by (confidence fallback)
 
 
+def pad_batch(rows, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [batch, longest] token ids (lists or 1-d tensors) and their attention mask."""
+    longest = max(len(row) for row in rows)
+    ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.as_tensor(row)
+        mask[i, :len(row)] = 1
+    return ids, mask
+
+
 def plan_key(decision: Decision) -> str:
     """What a cached result depends on besides the input."""
     return f"b{decision.budget:.4f}-w{decision.width:.3f}-s{decision.tier_shift:.3f}"

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import UserError
 from .complexity import Tiers
-from .executor import RowResult, TieredExecutor, confidence_of, plan_key
+from .executor import RowResult, TieredExecutor, confidence_of, pad_batch, plan_key
 from .monitors import DEFAULT_PERIOD_S, LatencyTracker, MonitorSampler, QualityMonitor, ResourceMonitor
 from .plans import check_budget
 from .policy import BasePolicy, Decision, PolicyState
@@ -318,12 +318,7 @@ class AdaptiveServer:
 
     def _run(self, ids_list, decision: Decision) -> list[RowResult]:
         """Results for a list of requests (padded into one batch), with confidence fallback."""
-        width = max(len(ids) for ids in ids_list)
-        ids = torch.zeros(len(ids_list), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, request in enumerate(ids_list):
-            ids[row, :len(request)] = request
-            mask[row, :len(request)] = 1
+        ids, mask = pad_batch(ids_list)
         preset = self.config.preset
         # a tier shift means the largest budget did not hold the SLO: no compute for retries
         steps = 0 if decision.tier_shift > 0 else preset.max_fallback_steps
