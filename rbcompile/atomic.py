@@ -1,4 +1,4 @@
-"""Write an output folder atomically: into a temporary sibling, then rename it into place."""
+"""Write an output file or folder atomically: into a temporary sibling, then rename it."""
 from __future__ import annotations
 
 import os
@@ -18,6 +18,30 @@ def check_replaceable(out_dir: Path, marker: str, kind: str) -> None:
         raise UserError(f"{out_dir} exists and is not {kind}; refusing to replace it")
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def write_file(path, write: Callable[[Path], T]) -> T:
+    """Call `write(tmp)` on a temporary file next to `path`, then rename it to `path`; returns
+    what `write` returned. A failure leaves no temporary file and the old `path` untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        result = write(tmp)
+        tmp.chmod(0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return result
+
+
 def write_folder(out_dir, write: Callable[[Path], T], marker: str, kind: str) -> T:
     """Call `write(tmp)` on a fresh temporary folder next to `out_dir`, then rename it to
     `out_dir`; returns what `write` returned. An existing `out_dir` is replaced only if it holds
@@ -27,8 +51,7 @@ def write_folder(out_dir, write: Callable[[Path], T], marker: str, kind: str) ->
     check_replaceable(out_dir, marker, kind)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _umask()
     try:
         result = write(tmp)
         for file in tmp.iterdir():

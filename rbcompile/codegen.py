@@ -3,6 +3,10 @@
 The generated class has one method per region and a `forward` that runs the skeleton regions
 always, serves cache-reuse regions from a shape-keyed cache, and runs each prunable region only
 when its gate is on (otherwise its output is the residual stream it reads: an identity).
+
+With `guards="cond"` (ONNX export only, never saved) each gate is a `torch.cond` on a bool
+tensor `gates[i]`, which exports as an ONNX `If`; cache regions are computed directly and the
+width levels are chosen by Python comparisons, so a given `widths` list is baked in.
 """
 from __future__ import annotations
 
@@ -96,41 +100,74 @@ def _region_method(region: dict, nodes: list, params, variant: dict | None = Non
     return lines
 
 
-def _prunable_call(region: dict, call: str, variants: list[dict]) -> str:
-    """The guarded call of a prunable region: skipped, full, or its narrowest variant whose
-    width is >= the requested one (levels below the lowest are clamped to it: the floor)."""
-    (out, stream_in), = region["skip"].items()
-    gate = region["gate"]
-    levels = [v for v in variants if str(region["id"]) in v["regions"]]
-    if not levels:
-        return (f"if gates[{gate}]:\n{_INDENT}{out} = {call}\n"
-                f"else:\n{_INDENT}{out} = {stream_in}")
-    args = call[call.index("("):]
-    lines = [f"if gates[{gate}]:",
-             f"{_INDENT}if widths is None or widths[{gate}] > {levels[0]['ratio']!r}:",
-             f"{_INDENT * 2}{out} = {call}"]
+_COND = '''
+
+def _cond(gate, branch, stream, operands):
+    """torch.cond on the bool tensor `gate`: `branch(*operands)`, or a copy of `operands[stream]`
+    (branch outputs must not alias inputs). cond takes tensor operands only, so the sizes
+    (SymInts) among `operands` travel as the shape of an empty tensor."""
+    is_size = [not isinstance(value, torch.Tensor) for value in operands]
+    sizes = [value for value, size in zip(operands, is_size) if size]
+    tensors = [value for value, size in zip(operands, is_size) if not size]
+    carrier = operands[stream].new_empty((0, *sizes))
+
+    def run(carrier, *tensors):
+        sizes, tensors = iter(carrier.shape[1:]), iter(tensors)
+        return branch(*(next(sizes) if size else next(tensors) for size in is_size))
+
+    def skip(carrier, *tensors):
+        return tensors[stream - sum(is_size[:stream])].clone()
+
+    return torch.cond(gate, run, skip, (carrier, *tensors))
+'''.split("\n")
+
+
+def _width_choice(gate: int, levels: list[dict], assign) -> list[str]:
+    """Lines choosing full width or the narrowest level (`levels` widest first) whose width is
+    >= `widths[gate]` (requests below the lowest level are clamped to it: the floor);
+    `assign(suffix)` is the statement for the method with that suffix."""
+    lines = [f"if widths is None or widths[{gate}] > {levels[0]['ratio']!r}:",
+             f"{_INDENT}{assign('')}"]
     for index, variant in enumerate(levels):
-        target = f"self.{method_name(region)}_{variant['label']}{args}"
-        if index + 1 < len(levels):
-            lines += [f"{_INDENT}elif widths[{gate}] > {levels[index + 1]['ratio']!r}:",
-                      f"{_INDENT * 2}{out} = {target}"]
-        else:
-            lines += [f"{_INDENT}else:", f"{_INDENT * 2}{out} = {target}"]
-    lines += ["else:", f"{_INDENT}{out} = {stream_in}"]
-    return "\n".join(lines)
+        lines += [f"elif widths[{gate}] > {levels[index + 1]['ratio']!r}:"
+                  if index + 1 < len(levels) else "else:",
+                  f"{_INDENT}{assign('_' + variant['label'])}"]
+    return lines
 
 
-def _forward(ir: dict) -> list[str]:
+def _prunable_call(region: dict, variants: list[dict], guards: str) -> str:
+    """The guarded call of a prunable region: skipped (its output is the stream it reads), full,
+    or a width level (see `_width_choice`). With `guards="cond"`, a `torch.cond` on the gate
+    tensor between the chosen method and a copy of that stream."""
+    (out, stream_in), = region["skip"].items()
+    gate, inputs, method = region["gate"], region["inputs"], method_name(region)
+    args = f"({', '.join(inputs)})"
+    levels = [v for v in variants if str(region["id"]) in v["regions"]]
+    if guards == "cond":
+        operands = f"{inputs.index(stream_in)}, ({', '.join(inputs)},))"
+        if not levels:
+            return f"{out} = _cond(gates[{gate}], self.{method}, {operands}"
+        choice = _width_choice(gate, levels, lambda suffix: f"branch = self.{method}{suffix}")
+        return "\n".join(choice + [f"{out} = _cond(gates[{gate}], branch, {operands}"])
+    if not levels:
+        return (f"if gates[{gate}]:\n{_INDENT}{out} = self.{method}{args}\n"
+                f"else:\n{_INDENT}{out} = {stream_in}")
+    choice = _width_choice(gate, levels, lambda suffix: f"{out} = self.{method}{suffix}{args}")
+    return "\n".join([f"if gates[{gate}]:", *(_INDENT + line for line in choice),
+                      "else:", f"{_INDENT}{out} = {stream_in}"])
+
+
+def _forward(ir: dict, guards: str) -> list[str]:
     variants = sorted(ir.get("variants", []), key=lambda v: -v["ratio"])
     statements = []
     for region in ir["regions"]:
         method, inputs, outputs = method_name(region), region["inputs"], region["outputs"]
         call = f"self.{method}({', '.join(inputs)})"
-        if region["kind"] == "cache":
+        if region["kind"] == "cache" and guards == "python":
             args = ", ".join([str(region["id"]), f"self.{method}", *inputs])
             code = f"{_tuple(outputs)}{',' if len(outputs) == 1 else ''} = self.region_cache.lookup({args})"
         elif region["kind"] == "prunable":
-            code = _prunable_call(region, call, variants)
+            code = _prunable_call(region, variants, guards)
         else:
             code = f"{_tuple(outputs)} = {call}"
         statements.append((code, inputs))
@@ -143,8 +180,9 @@ def _forward(ir: dict) -> list[str]:
             + _with_deletes(statements, set(), _INDENT * 2))
 
 
-def generate_source(ir: dict) -> str:
-    """Python source of the generated module for a validated IR."""
+def generate_source(ir: dict, guards: str = "python") -> str:
+    """Python source of the generated module for a validated IR: gates as Python `if`s
+    (`guards="python"`, the artifact's model.py) or as `torch.cond`s on a bool tensor ("cond")."""
     check_ir(ir)
     variants = sorted(ir.get("variants", []), key=lambda v: -v["ratio"])
     params = {**ir["parameters"], **{n: v for var in variants for n, v in var["parameters"].items()}}
@@ -176,6 +214,7 @@ def generate_source(ir: dict) -> str:
         "aten = torch.ops.aten",
         "prims = torch.ops.prims",
         "",
+        *(_COND if guards == "cond" else []),
         "",
         "class GeneratedModel(torch.nn.Module):",
         f"    INPUTS = {tuple(ir['inputs'])!r}",
@@ -199,7 +238,7 @@ def generate_source(ir: dict) -> str:
         "    def device(self):",
         "        return next(iter(self._buffers.values())).device",
         "",
-        *_forward(ir),
+        *_forward(ir, guards),
     ]
     for region in ir["regions"]:
         lines += [""] + _region_method(region, by_region.get(region["id"], []), params)

@@ -19,11 +19,12 @@ from .width import DEFAULT_LEVELS
 from .trace import INPUT_NAMES, example_inputs, trace
 
 
-def instantiate(source: str, tag: str) -> torch.nn.Module:
-    """Execute generated source (and only that) and return an empty GeneratedModel."""
+def instantiate(source: str, tag: str, namespace: dict | None = None) -> torch.nn.Module:
+    """Execute generated source (and only that) in `namespace` (default: a fresh one) and
+    return an empty GeneratedModel."""
     filename = f"<rbcompile generated {tag}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace: dict = {"__name__": "rbcompile_generated"}
+    namespace = {"__name__": "rbcompile_generated"} if namespace is None else namespace
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
     return namespace["GeneratedModel"]()
 
