@@ -31,6 +31,8 @@ def _levels(text: str) -> tuple[float, ...]:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from .onnx_export import EXAMPLE_SHAPE
+
     parser = _Parser(prog="rbcompile", description="Compile Hugging Face transformers into "
                      "adaptive runtime modules (guarded light/full paths).")
     parser.add_argument("--version", action="version", version=f"rbcompile {_version()}")
@@ -66,6 +68,24 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--complexity-threshold", type=float,
                    help="inputs scoring below it take the light path, the rest the full path")
     p.add_argument("--max-new-tokens", type=int, default=20, help="decoders: tokens to generate")
+    p.add_argument("--engine", choices=("torch", "onnxruntime"), default="torch",
+                   help="torch (default): the generated PyTorch module; onnxruntime: its ONNX "
+                   "export, fed the same gates as the graph input `gates`")
+    p.add_argument("--onnx", metavar="FILE", help="with --engine onnxruntime: a file from "
+                   "`rbcompile export-onnx` of this artifact (checked against it; export with "
+                   "the --budget you run). Without it, the artifact is exported and validated "
+                   "into a temporary folder for this run only (nothing cached)")
+
+    p = sub.add_parser("export-onnx", help="export an artifact to ONNX: gates as a bool tensor "
+                       "input, each prunable region an If node; validated with onnxruntime")
+    p.add_argument("artifact")
+    p.add_argument("-o", "--output", required=True, help=".onnx file to write (written to a "
+                   "temporary file, validated, then renamed into place)")
+    p.add_argument("--opset", type=int, default=20, help="ONNX opset, 18-23 (default 20)")
+    p.add_argument("--no-dynamic-axes", action="store_true", help="fix the input shape to "
+                   "batch %d x sequence %d (default: dynamic batch and sequence)" % EXAMPLE_SHAPE)
+    p.add_argument("--budget", type=_budget, help="bake in the width levels of this budget's "
+                   "plan (gates stay inputs; default: full width)")
 
     p = sub.add_parser("curve", help="quality vs measured speedup of every calibrated plan")
     p.add_argument("artifact")
@@ -182,18 +202,30 @@ def _cmd_inspect(args) -> None:
 
 
 def _cmd_run(args) -> None:
-    import torch
+    from contextlib import nullcontext
 
     import rbcompile
     from .errors import UserError
+    from .onnx_export import onnx_engine
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
-    model = rbcompile.load(args.artifact)
-    model.complexity_threshold = args.complexity_threshold
-    tokenizer = model.tokenizer
+    if args.onnx and args.engine != "onnxruntime":
+        raise UserError("--onnx needs --engine onnxruntime")
     if any(not text.strip() for text in args.text):
         raise UserError("--text must not be empty")
+    model = rbcompile.load(args.artifact)
+    model.complexity_threshold = args.complexity_threshold
+    with (nullcontext(model) if args.engine == "torch"
+          else onnx_engine(model, args.onnx, args.budget)) as engine:
+        _run_texts(model, engine, args)
+
+
+def _run_texts(model, engine, args) -> None:
+    """Print what `engine` (the CompiledModel or an OnnxRunner of it) makes of each text."""
+    import torch
+
+    tokenizer = model.tokenizer
     if model.family == "decoder":
         for text in args.text:
             ids = tokenizer(text, return_tensors="pt")["input_ids"]
@@ -201,7 +233,7 @@ def _cmd_run(args) -> None:
             for _ in range(args.max_new_tokens):
                 if ids.shape[1] >= model.max_positions:
                     break
-                out = model(ids, budget=args.budget)
+                out = engine(ids, budget=args.budget)
                 next_id = out["logits"][0, -1].argmax()
                 ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
                 if next_id.item() == tokenizer.eos_token_id:
@@ -213,7 +245,7 @@ def _cmd_run(args) -> None:
         return
     batch = tokenizer(args.text, return_tensors="pt", padding=True, truncation=True,
                       max_length=model.max_positions)
-    out = model(batch["input_ids"], batch["attention_mask"], budget=args.budget)
+    out = engine(batch["input_ids"], batch["attention_mask"], budget=args.budget)
     hidden = out["last_hidden_state"]
     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
     pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
@@ -230,6 +262,23 @@ def _cmd_run(args) -> None:
 
 CURVE_DEFAULTS = {"decoder": {"samples": 4, "seq": 512, "batch": 1},
                   "encoder": {"samples": 1000, "seq": 128, "batch": 16}}
+
+
+def _cmd_export_onnx(args) -> None:
+    import rbcompile
+    from .onnx_export import check_opset, export_onnx
+
+    check_opset(args.opset)
+    model = rbcompile.load(args.artifact)
+    report = export_onnx(model, args.output, opset=args.opset, dynamic=not args.no_dynamic_axes,
+                         budget=args.budget)
+    then_nodes, else_nodes = report.branch_nodes
+    print(f"wrote {report.path}: opset {report.opset}, {report.if_nodes} If nodes (a gate on "
+          f"runs up to {then_nodes} nodes, off {else_nodes}), "
+          + ("dynamic batch and sequence" if report.dynamic else "fixed input shape")
+          + (f", widths of budget {args.budget:g} baked in" if report.widths else ""))
+    print("validated with onnxruntime (max abs diff vs PyTorch, atol 1e-4): "
+          + ", ".join(f"{name} {diff:.2g}" for name, diff in report.max_diffs.items()))
 
 
 def _cmd_curve(args) -> None:
@@ -277,6 +326,7 @@ def _cmd_models(args) -> None:
 
 
 COMMANDS = {"compile": _cmd_compile, "inspect": _cmd_inspect, "run": _cmd_run,
+            "export-onnx": _cmd_export_onnx,
             "curve": _cmd_curve, "train-policy": _cmd_train_policy, "models": _cmd_models}
 
 

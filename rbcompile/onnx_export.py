@@ -261,7 +261,7 @@ def export_onnx(compiled, path, *, opset: int = 20, dynamic: bool = True,
     onnxruntime in a subprocess before it replaces `path`."""
     from .atomic import write_file
     from .errors import UserError
-    from .progress import say, step
+    from .progress import step
 
     start = time.perf_counter()
     opset = check_opset(opset)
@@ -283,8 +283,6 @@ def export_onnx(compiled, path, *, opset: int = 20, dynamic: bool = True,
         if validate:
             with step("validating with onnxruntime in a subprocess"):
                 report.max_diffs = validate_onnx(compiled, tmp, widths, dynamic)
-            say("  max abs diff vs PyTorch: " + ", ".join(
-                f"{name} {diff:.2g}" for name, diff in report.max_diffs.items()))
 
     write_file(path, write)
     report.seconds = time.perf_counter() - start
