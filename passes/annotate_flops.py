@@ -33,6 +33,6 @@ def annotate_flops(gm: GraphModule, ctx: PassContext) -> PassResult:
     with torch.no_grad():
         _FlopInterpreter(gm).run(*inputs)
     total = sum(n.meta[FLOPS] for n in compute_nodes(gm))
-    seq = inputs[0].shape[1]
+    seq = next(x.shape[1] for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 2)
     return PassResult(False, f"{total / 1e9:.3f} GFLOPs per forward at batch 1 x {seq} tokens",
                       {"total_flops": total, "reference_seq": seq})

@@ -42,6 +42,7 @@ class Branch:
     nodes: list[Node]
     stream_in: Node
     stream_out: Node         # the residual add
+    cache_outputs: list[Node] = field(default_factory=list)  # K/V written to the graph outputs
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Block:
     stream_in: Node
     stream_out: Node
     branches: list[Branch]   # empty when the block is not split into residual branches (post-LN)
+    cache_outputs: list[Node] = field(default_factory=list)  # values only the graph output reads
 
 
 @dataclass

@@ -8,12 +8,18 @@ data-dependent value from outside (the residual stream in) and export exactly on
 Branches come from dataflow: a pre-LN block has two adds at block level, `a1 = x + f(x)` and
 `out = a1 + g(a1)`; each branch is the add plus the block nodes it depends on. A post-LN block
 (BERT) has no such adds and is kept whole.
+
+Graphs captured with a KV cache (torch.compile of a decoder called with `use_cache=True`) also
+read the past K/V as graph inputs and return the new K/V as graph outputs: besides the stream, a
+block (and a branch) may read inputs and export values that only the graph output reads; those
+are its `cache_outputs`.
 """
 from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
 
+import torch
 from torch.fx import GraphModule, Node
 
 from ..errors import CompileError
@@ -23,8 +29,8 @@ from .base import (BLOCK, DEPS, FLOPS, Block, Branch, PassContext, PassResult, c
 _NUMBERED = re.compile(r"(.+)\.(\d+)")
 
 
-def _block_list(nodes: list[Node]) -> tuple[str, str, int]:
-    """(list path, block type, count) of the numbered module list covering the most nodes."""
+def _block_list(nodes: list[Node]) -> tuple[str, str, list[int]]:
+    """(list path, block type, indices) of the numbered module list covering the most nodes."""
     coverage: Counter[tuple[str, str]] = Counter()
     indices: dict[tuple[str, str], set[int]] = defaultdict(set)
     for node in nodes:
@@ -36,9 +42,10 @@ def _block_list(nodes: list[Node]) -> tuple[str, str, int]:
                 seen.add(key)
                 coverage[key] += 1
                 indices[key].add(int(match[2]))
-    for key, _ in coverage.most_common():
-        if indices[key] == set(range(len(indices[key]))):
-            return key[0], key[1], len(indices[key])
+    for key, _ in coverage.most_common():  # a graph-break fragment may start past layer 0
+        first = min(indices[key])
+        if indices[key] == set(range(first, first + len(indices[key]))):
+            return key[0], key[1], sorted(indices[key])
     raise CompileError("no repeated transformer blocks found in the traced graph")
 
 
@@ -53,6 +60,17 @@ def _external(nodes: list[Node]) -> tuple[list[Node], list[Node]]:
         if any(user not in members for user in node.users):
             exports[node] = None
     return list(reads), list(exports)
+
+
+def _same_shape(a: Node, b: Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+            and [str(d) for d in va.shape] == [str(d) for d in vb.shape])
+
+
+def _output_only(node: Node, members: set[Node]) -> bool:
+    """True when, outside `members`, only the graph output reads `node` (a K/V cache value)."""
+    return all(user.op == "output" for user in node.users if user not in members)
 
 
 def _ancestors_within(root: Node, members: set[Node]) -> set[Node]:
@@ -100,17 +118,19 @@ def _split_branches(block: Block) -> list[Branch]:
                                          (second_nodes, first, second)):
         nodes = sorted(nodes, key=ordered.__getitem__)
         reads, exports = _external(nodes)
-        if exports != [stream_out] or stream_in not in reads:
+        cache_outputs = [n for n in exports if n is not stream_out]
+        if (stream_out not in exports or stream_in not in reads
+                or not set(cache_outputs) <= set(block.cache_outputs)):
             return []
         name, path, kind = _branch_name_and_kind(nodes, block.module_path)
-        branches.append(Branch(name, kind, path, nodes, stream_in, stream_out))
+        branches.append(Branch(name, kind, path, nodes, stream_in, stream_out, cache_outputs))
     return branches
 
 
 @graph_pass(requires=("meta:rb_deps",), ensures=("ctx:blocks", "meta:" + BLOCK))
 def discover_blocks(gm: GraphModule, ctx: PassContext) -> PassResult:
     nodes = compute_nodes(gm)
-    list_path, block_type, count = _block_list(nodes)
+    list_path, block_type, indices = _block_list(nodes)
     by_block: dict[int, list[Node]] = defaultdict(list)
     for node in nodes:
         node.meta[BLOCK] = None
@@ -120,19 +140,25 @@ def discover_blocks(gm: GraphModule, ctx: PassContext) -> PassResult:
                 by_block[int(match[2])].append(node)
                 break
     blocks = []
-    for index in range(count):
+    for index in indices:
         members = set(by_block[index])
         # shape arithmetic stays in the block only if nothing outside needs it
         nodes_i = [n for n in by_block[index]
                    if not is_scalar(n) or all(u in members for u in n.users)]
         reads, exports = _external(nodes_i)
         data_reads = [n for n in reads if n.op != "get_attr" and "data" in n.meta[DEPS]]
+        cache_outputs = [] if len(exports) == 1 else [n for n in exports if _output_only(n, members)]
+        streams_out = [n for n in exports if n not in cache_outputs]
+        streams_in = [n for n in data_reads if n.op != "placeholder"] or data_reads  # not past K/V
+        if len(streams_in) > 1 and len(streams_out) == 1:  # graph inputs of a fragment: by shape
+            streams_in = [n for n in streams_in if _same_shape(n, streams_out[0])]
         path = f"{list_path}.{index}"
-        if len(data_reads) != 1 or len(exports) != 1:
+        if len(streams_in) != 1 or len(streams_out) != 1:
             raise CompileError(
                 f"block {path} does not read and write one residual stream "
-                f"(reads {[n.name for n in data_reads]}, exports {[n.name for n in exports]})")
-        block = Block(index, path, block_type, nodes_i, data_reads[0], exports[0], [])
+                f"(reads {[n.name for n in streams_in]}, exports {[n.name for n in streams_out]})")
+        block = Block(index, path, block_type, nodes_i, streams_in[0], streams_out[0], [],
+                      cache_outputs)
         block.branches = _split_branches(block)
         for node in nodes_i:
             node.meta[BLOCK] = index
@@ -140,6 +166,7 @@ def discover_blocks(gm: GraphModule, ctx: PassContext) -> PassResult:
     ctx.blocks = blocks
     split = sum(1 for b in blocks if b.branches)
     kinds = "/".join(br.name for br in blocks[0].branches) if blocks[0].branches else "whole"
-    return PassResult(True, f"{count} x {block_type} at {list_path}.<i>; {split} split into "
+    span = f"{list_path}.<i>" if indices[0] == 0 else f"{list_path}.{indices[0]}-{indices[-1]}"
+    return PassResult(True, f"{len(indices)} x {block_type} at {span}; {split} split into "
                       f"residual branches ({kinds})",
-                      {"blocks": count, "block_type": block_type, "split_blocks": split})
+                      {"blocks": len(indices), "block_type": block_type, "split_blocks": split})

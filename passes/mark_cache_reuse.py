@@ -19,7 +19,8 @@ def _mutates_input(node: Node) -> bool:
 
 
 def _cacheable(node: Node) -> bool:
-    return (node.meta[KIND] == "skeleton" and is_tensor(node) and "data" not in node.meta[DEPS]
+    return (node.meta[KIND] == "skeleton" and is_tensor(node)
+            and not node.meta[DEPS] & {"data", "position"}
             and not any(_mutates_input(user) for user in node.users))
 
 

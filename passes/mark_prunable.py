@@ -4,7 +4,8 @@ Requires: `ctx:blocks`, `rb_kind`. Ensures `ctx:units`; every block node gets
 `rb_kind = "prunable"` and `rb_unit`. Skipping a unit is an identity on the residual stream
 (stream_out := stream_in), which discover_blocks has checked: each unit reads the stream from
 outside and exports only its residual add. Width units (attention heads, MLP channels) are
-recorded with the parameters they live in, for elastic width.
+recorded with the parameters they live in, for elastic width. A branch or layer that writes the
+KV cache (graph outputs besides the stream) must always run: it stays skeleton.
 """
 from __future__ import annotations
 
@@ -62,10 +63,12 @@ def _out_projections(kind: str, nodes: list[Node]) -> dict[str, str]:
 
 
 def _width(kind: str, config, nodes: list[Node]) -> dict:
+    """Head / channel counts (from the config; none for a graph from torch.compile, which has
+    no config and no width levels) and the parameters they live in."""
     width = {}
-    if kind in ("attention", "layer"):
+    if kind in ("attention", "layer") and config is not None:
         width.update(_attention_width(config))
-    if kind in ("mlp", "layer"):
+    if kind in ("mlp", "layer") and config is not None:
         width.update(_mlp_width(config))
     width["parameters"] = _parameters(nodes)
     width.update(_out_projections(kind, nodes))
@@ -74,14 +77,19 @@ def _width(kind: str, config, nodes: list[Node]) -> dict:
 
 @graph_pass(requires=("ctx:blocks", "meta:rb_kind"), ensures=("ctx:units",))
 def mark_prunable(gm: GraphModule, ctx: PassContext) -> PassResult:
-    units = []
+    units, cache_writers = [], []
     for block in ctx.blocks:
         if block.branches:
             for branch in block.branches:
+                if branch.cache_outputs:
+                    cache_writers.append(branch.nodes)
+                    continue
                 units.append(Unit(f"{block.module_path}.{branch.name}", branch.kind, block.index,
                                   branch.module_path, branch.nodes, branch.stream_in,
                                   branch.stream_out,
                                   _width(branch.kind, ctx.config, branch.nodes)))
+        elif block.cache_outputs:
+            cache_writers.append(block.nodes)
         else:
             units.append(Unit(block.module_path, "layer", block.index, block.module_path,
                               block.nodes, block.stream_in, block.stream_out,
@@ -90,10 +98,16 @@ def mark_prunable(gm: GraphModule, ctx: PassContext) -> PassResult:
         for node in unit.nodes:
             node.meta[KIND] = "prunable"
             node.meta[UNIT] = unit.name
+    for nodes in cache_writers:
+        for node in nodes:
+            node.meta[KIND] = "skeleton"
     leftover = [n.name for n in compute_nodes(gm) if n.meta[KIND] == "block"]
     if leftover:
         raise AssertionError(f"block nodes outside every unit: {leftover[:5]}")
     kinds = sorted({u.kind for u in units})
     ctx.units = units
+    kept = f"; {len(cache_writers)} kept in the skeleton (they write the KV cache)" \
+        if cache_writers else ""
     return PassResult(True, f"{len(units)} prunable units ({', '.join(kinds)}) over "
-                      f"{len(ctx.blocks)} layers", {"units": len(units), "kinds": kinds})
+                      f"{len(ctx.blocks)} layers{kept}",
+                      {"units": len(units), "kinds": kinds, "cache_writers": len(cache_writers)})

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import linecache
 import operator
+import re
 
 import torch
 
@@ -40,6 +41,16 @@ def attach_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
         if key not in tensors or tensors[key].dim() <= axis or tensors[key].shape[axis] < length:
             raise UserError(f"weights cannot provide the view {name} of {key}")
         module.register_buffer(name, tensors[key].narrow(axis, 0, length), persistent=False)
+
+
+_REGION_METHOD = re.compile(r"r[0-9]+_[A-Za-z0-9_]*")  # names codegen.method_name gives
+
+
+def compile_regions(module: torch.nn.Module) -> None:
+    """Compile every region method of a generated module with inductor (the guarded branches
+    between them stay Python, so a new gate decision never recompiles)."""
+    for name in [n for n in type(module).__dict__ if _REGION_METHOD.fullmatch(n)]:
+        setattr(module, name, torch.compile(getattr(module, name), backend="inductor"))
 
 
 def architecture_summary(model) -> dict:

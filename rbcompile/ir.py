@@ -25,6 +25,9 @@ RESERVED_NAMES = {"self", "gates", "torch", "aten", "prims", "operator", "math",
 OPERATOR_FUNCTIONS = {f"operator.{name}": getattr(operator, name) for name in (
     "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow",
     "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_")}
+# symbolic-size arithmetic that graphs from torch.compile with dynamic shapes contain
+OPERATOR_FUNCTIONS.update({f"torch.{name}": getattr(torch, name) for name in (
+    "sym_sum", "sym_max", "sym_min", "sym_not", "sym_float", "sym_int", "sym_ite")})
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}

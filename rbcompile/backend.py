@@ -1,0 +1,289 @@
+"""The `rbcompile` torch.compile backend (entry point `torch_dynamo_backends`).
+
+    model = torch.compile(hf_model, backend="rbcompile", options={"budget": 0.25})
+    with rbcompile.backend.decision(budget=0.1):   # per call, from the runtime: no recompile
+        out = model(input_ids, attention_mask=mask)
+
+Dynamo hands the backend a torch-level graph with parameters as placeholders. aot_autograd lowers
+it to ATen (keeping `nn_module_stack`); `to_pipeline_graph` turns the weights into constants and
+names the inputs; then the graph runs the same passes and codegen as `rbcompile compile`. The
+generated module's regions are compiled with inductor on CPU (`regions="eager"` keeps them
+eager); gates are chosen in Python at every call, so a new decision never recompiles.
+
+A graph without transformer layers (a fragment between graph breaks) has nothing to adapt and
+goes to inductor. A graph rbcompile cannot handle is logged and falls back to inductor;
+`options={"strict": True}` raises instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule
+
+from .codegen import generate_source
+from .compiler import attach_weights, compile_regions, instantiate
+from .errors import CompileError
+from .ir import build_ir
+from .passes import PassContext, run_pipeline
+from .runtime.plans import check_budget, plan_for_budget, skipped_share
+
+logger = logging.getLogger("rbcompile.backend")
+
+REGION_COMPILERS = ("inductor", "eager")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """`torch.compile(..., options={...})` of the rbcompile backend."""
+    budget: float | None = None  # default budget when no `decision` is active (None: full path)
+    regions: str = "inductor"    # how the generated regions run: "inductor" or "eager"
+    strict: bool = False         # raise on a graph rbcompile cannot compile (no fallback)
+    dump_pass: str | None = None  # write the graph before/after this pass (see passes/)
+
+    @classmethod
+    def parse(cls, options: dict | None) -> "BackendOptions":
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown rbcompile option(s) {unknown}; known: {sorted(known)}")
+        parsed = cls(**options)
+        if parsed.budget is not None:
+            check_budget(parsed.budget)
+        if parsed.regions not in REGION_COMPILERS:
+            raise ValueError(f"option regions must be one of {REGION_COMPILERS}, "
+                             f"got {parsed.regions!r}")
+        return parsed
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the runtime chose for the calls inside a `decision(...)` block."""
+    budget: float | None = None
+    gates: tuple[bool, ...] | None = None
+    widths: tuple[float, ...] | None = None
+
+
+_current: contextvars.ContextVar[Decision | None] = contextvars.ContextVar("rbcompile_decision",
+                                                                           default=None)
+
+
+@contextlib.contextmanager
+def decision(budget: float | None = None, gates=None, widths=None):
+    """Run the compiled graphs inside this block at `budget` (or explicit `gates` / `widths`)."""
+    if budget is not None:
+        budget = check_budget(budget)
+    chosen = Decision(budget, None if gates is None else tuple(bool(g) for g in gates),
+                      None if widths is None else tuple(float(w) for w in widths))
+    token = _current.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _current.reset(token)
+
+
+@dataclass
+class CompiledGraph:
+    """One graph dynamo handed to the backend, and what became of it."""
+    index: int
+    handled_by: str                     # "rbcompile" | "inductor"
+    reason: str = ""                    # why inductor took it
+    regions: list[dict] = field(default_factory=list)
+    num_gates: int = 0
+    calls: int = 0
+    last_gates: list[bool] | None = None
+    last_skipped: float = 0.0           # fraction of prunable FLOPs the last call skipped
+
+
+_graphs: list[CompiledGraph] = []
+
+
+def compiled_graphs() -> list[CompiledGraph]:
+    """Every graph compiled by this backend in this process (newest last)."""
+    return list(_graphs)
+
+
+def reset() -> None:
+    _graphs.clear()
+
+
+# ---- dynamo graph -> pipeline graph ------------------------------------------------------------
+
+_WEIGHT = re.compile(r"_(parameters|buffers)_")
+_PREFIX = re.compile(r"^l_(self_|args_0_|kwargs_)?")
+
+
+def _weight_key(placeholder: str) -> str:
+    """`l_self_modules_layers_modules_0_modules_mlp_parameters_weight_` -> `layers.0.mlp.weight`."""
+    name = _PREFIX.sub("", placeholder).rstrip("_")
+    return re.sub(r"(^|_)(modules|parameters|buffers)_", lambda m: "." if m[1] else "", name).strip(".")
+
+
+def _input_name(placeholder: str) -> str:
+    """`l_kwargs_attention_mask_` -> `attention_mask`; `l_args_1_` -> `args_1`."""
+    name = re.sub(r"^l_(kwargs_)?", "", placeholder).rstrip("_")
+    return name if name.isidentifier() and not name.startswith("__") else f"input_{abs(hash(name))}"
+
+
+def _set_buffer(root: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
+    *path, leaf = key.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    module.register_buffer(leaf, tensor, persistent=False)
+
+
+def _hint(value):
+    """A concrete value for a symbolic example input (its size hint)."""
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint)
+    return value
+
+
+def to_pipeline_graph(aten_gm: GraphModule, names: list[str], values: list):
+    """Weights (dynamo names with `_parameters_` / `_buffers_`) become get_attr constants, the
+    other placeholders named inputs. Returns (graph, input names, input positions, references)."""
+    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(names):
+        raise CompileError(f"ATen graph has {len(placeholders)} inputs for {len(names)} "
+                           "dynamo inputs")
+    input_names, positions, references = [], [], {}
+    keys: dict[int, str] = {}
+    for position, (node, name, value) in enumerate(zip(placeholders, names, values)):
+        if _WEIGHT.search(name) and isinstance(value, torch.Tensor):
+            key = keys.setdefault(id(value), _weight_key(name))
+            if not hasattr(aten_gm, key.split(".")[0]) or key not in dict(aten_gm.named_buffers()):
+                _set_buffer(aten_gm, key, value.detach())
+            with aten_gm.graph.inserting_before(node):
+                constant = aten_gm.graph.get_attr(key)
+            constant.meta = dict(node.meta)
+            node.replace_all_uses_with(constant)
+            aten_gm.graph.erase_node(node)
+        else:
+            input_name = _input_name(name)
+            node.target = node.name = input_name
+            input_names.append(input_name)
+            positions.append(position)
+            references[input_name] = _hint(value)
+    aten_gm.recompile()
+    return aten_gm, tuple(input_names), positions, references
+
+
+# ---- the backend -------------------------------------------------------------------------------
+
+def _family(gm: GraphModule) -> str:
+    """decoder when the graph ends in an LM head (a matmul into a vocabulary-sized output)."""
+    stacks = [str(v) for n in gm.graph.nodes for v in (n.meta.get("nn_module_stack") or {}).values()]
+    return "decoder" if any("ForCausalLM" in s or "LMHead" in s for s in stacks) else "encoder"
+
+
+def _has_layers(gm: GraphModule) -> bool:
+    paths = [path for n in gm.graph.nodes
+             for path, _ in (n.meta.get("nn_module_stack") or {}).values()]
+    return any(re.search(r"\.\d+$", p) for p in paths)
+
+
+class _Runner:
+    """The callable aot_autograd runs: picks gates for each call, runs the generated module."""
+
+    def __init__(self, module, positions, record: CompiledGraph, options: BackendOptions, plans):
+        self.module, self.positions, self.record = module, positions, record
+        self.options, self.plans = options, plans
+
+    def _choose(self):
+        chosen = _current.get() or Decision(self.options.budget)
+        regions, count = self.record.regions, self.record.num_gates
+        if chosen.gates is not None:
+            if len(chosen.gates) != count:
+                raise ValueError(f"graph {self.record.index} has {count} gates, got "
+                                 f"{len(chosen.gates)}")
+            return list(chosen.gates), (list(chosen.widths) if chosen.widths else None)
+        if chosen.budget is None:
+            return [True] * count, None
+        return plan_for_budget(regions, chosen.budget, self.plans)
+
+    def __call__(self, *args):
+        gates, widths = self._choose()
+        self.record.calls += 1
+        self.record.last_gates = gates
+        self.record.last_skipped = skipped_share(self.record.regions, gates, widths, {})
+        with torch.no_grad():
+            return list(self.module(*(args[i] for i in self.positions), gates, widths))
+
+
+def _compile_aten(aten_gm: GraphModule, names, values, options: BackendOptions,
+                  record: CompiledGraph):
+    gm, input_names, positions, references = to_pipeline_graph(aten_gm, names, values)
+    ctx = PassContext(family=_family(gm), config=None, reference_inputs=references,
+                      input_names=input_names, dump_pass=options.dump_pass)
+    run_pipeline(gm, ctx)
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outputs = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    ir = build_ir(gm, ctx.regions, input_names, [f"output_{i}" for i in range(len(outputs))])
+    ir["title"] = f"torch.compile graph {record.index}"
+    module = instantiate(generate_source(ir), ir["title"])
+    attach_weights(module, {key: operator.attrgetter(key)(gm) for key in ir["parameters"].values()})
+    if options.regions == "inductor":
+        compile_regions(module)
+    record.handled_by, record.regions, record.num_gates = "rbcompile", ctx.regions, module.NUM_GATES
+    logger.info("graph %d: %d regions, %d gates (%s)", record.index, len(ctx.regions),
+                module.NUM_GATES, ctx.history[-1]["summary"])
+    return _Runner(module, positions, record, options, None)
+
+
+def _inductor(gm, example_inputs, record: CompiledGraph, reason: str):
+    from torch._inductor.compile_fx import compile_fx
+
+    record.handled_by, record.reason = "inductor", reason
+    return compile_fx(gm, example_inputs)
+
+
+def rbcompile_backend(gm: GraphModule, example_inputs, options: dict | None = None, **_):
+    """Dynamo backend: compile `gm` with rbcompile's passes and codegen (see module docstring)."""
+    parsed = BackendOptions.parse(options)
+    record = CompiledGraph(len(_graphs), "pending")
+    _graphs.append(record)
+    if not _has_layers(gm):
+        logger.info("graph %d has no transformer layers: inductor", record.index)
+        return _inductor(gm, example_inputs, record, "no transformer layers")
+    if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
+                                       for v in example_inputs):
+        return _fail(gm, example_inputs, record, parsed,
+                     "rbcompile compiles inference graphs: call the model under torch.no_grad()")
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def compile_inference(aten_gm, _fake_inputs):
+        try:
+            with unset_fake_temporarily():  # aot_autograd compiles under fake mode
+                return _compile_aten(aten_gm, names, list(example_inputs), parsed, record)
+        except Exception as exc:  # any failure: this graph is not one rbcompile can compile
+            raise _Unsupported(f"{type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
+    try:
+        return aot_autograd(fw_compiler=compile_inference)(gm, example_inputs)
+    except _Unsupported as exc:
+        return _fail(gm, example_inputs, record, parsed, str(exc))
+
+
+class _Unsupported(Exception):
+    """rbcompile's passes or codegen cannot handle this graph (the reason is the message)."""
+
+
+def _fail(gm, example_inputs, record, options: BackendOptions, reason: str):
+    if options.strict:
+        raise CompileError(f"graph {record.index}: {reason}")
+    logger.warning("graph %d: %s; falling back to inductor", record.index, reason)
+    return _inductor(gm, example_inputs, record, reason)
