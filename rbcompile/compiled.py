@@ -11,7 +11,7 @@ import torch
 from . import __version__
 from .atomic import write_folder
 from .codegen import generate_source
-from .compiler import attach_weights, instantiate
+from .compiler import attach_weights, compile_regions, instantiate
 from .errors import UserError
 from .ir import check_ir
 from .models import copy_tokenizer_files
@@ -126,6 +126,11 @@ class CompiledModel:
         return CompiledOutput(dict(zip(self.output_names, outputs)), path=path, gates=gates,
                               widths=widths, skipped_flops=self.skipped_share(gates, widths),
                               complexity=scores)
+
+    def compile_regions(self) -> "CompiledModel":
+        """Compile the generated regions with inductor (first calls per shape are slow)."""
+        compile_regions(self.module)
+        return self
 
     def plan_for_budget(self, budget: float) -> tuple[list[bool], list[float] | None]:
         return plan_for_budget(self.regions, budget, self.plans)
