@@ -134,7 +134,8 @@ def _to_onnx(compiled, widths, opset: int, dynamic: bool):
             warnings.simplefilter("ignore")  # torchvision absent, pytree deprecations, axis names
             program = torch.export.export(module, (input_ids, attention_mask, gates),
                                           dynamic_shapes=shapes)
-            onnx_program = torch.onnx.export(program, input_names=list(INPUT_NAMES),
+            onnx_program = torch.onnx.export(program, dynamic_shapes=shapes,  # names the axes
+                                             input_names=list(INPUT_NAMES),
                                              output_names=compiled.output_names,
                                              opset_version=opset, dynamo=True, verbose=False)
     finally:
