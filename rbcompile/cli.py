@@ -266,7 +266,7 @@ CURVE_DEFAULTS = {"decoder": {"samples": 4, "seq": 512, "batch": 1},
 
 def _cmd_export_onnx(args) -> None:
     import rbcompile
-    from .onnx_export import check_opset, export_onnx
+    from .onnx_export import ATOL, RTOL, check_opset, export_onnx
 
     check_opset(args.opset)
     model = rbcompile.load(args.artifact)
@@ -276,8 +276,10 @@ def _cmd_export_onnx(args) -> None:
     print(f"wrote {report.path}: opset {report.opset}, {report.if_nodes} If nodes (a gate on "
           f"runs up to {then_nodes} nodes, off {else_nodes}), "
           + ("dynamic batch and sequence" if report.dynamic else "fixed input shape")
-          + (f", widths of budget {args.budget:g} baked in" if report.widths else ""))
-    print("validated with onnxruntime (max abs diff vs PyTorch, atol 1e-4): "
+          + (f", widths of budget {args.budget:g} baked in" if report.widths else "")
+          + f" ({report.seconds:.0f} s)")
+    print(f"validated with onnxruntime (max abs diff vs PyTorch; allowed {ATOL:g} + "
+          f"{RTOL:g} x largest |value|): "
           + ", ".join(f"{name} {diff:.2g}" for name, diff in report.max_diffs.items()))
 
 

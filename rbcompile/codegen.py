@@ -144,11 +144,11 @@ def _prunable_call(region: dict, variants: list[dict], guards: str) -> str:
     args = f"({', '.join(inputs)})"
     levels = [v for v in variants if str(region["id"]) in v["regions"]]
     if guards == "cond":
-        operands = f"{inputs.index(stream_in)}, ({', '.join(inputs)},))"
+        stream_and_operands = f"{inputs.index(stream_in)}, ({', '.join(inputs)},))"
         if not levels:
-            return f"{out} = _cond(gates[{gate}], self.{method}, {operands}"
+            return f"{out} = _cond(gates[{gate}], self.{method}, {stream_and_operands}"
         choice = _width_choice(gate, levels, lambda suffix: f"branch = self.{method}{suffix}")
-        return "\n".join(choice + [f"{out} = _cond(gates[{gate}], branch, {operands}"])
+        return "\n".join(choice + [f"{out} = _cond(gates[{gate}], branch, {stream_and_operands}"])
     if not levels:
         return (f"if gates[{gate}]:\n{_INDENT}{out} = self.{method}{args}\n"
                 f"else:\n{_INDENT}{out} = {stream_in}")
