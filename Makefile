@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test bench curves tidal clean
+.PHONY: install demo test bench curves tidal engines clean
 
 install: $(STAMP)
 
@@ -66,6 +66,13 @@ tidal: $(MINILM_MR) $(SMOLLM2_CALIB)
 		--slo-ms $(SMOLLM2_SLO_MS) -o build/smollm2-policy
 	$(PY) benchmarks/bench_tidal.py --model build/smollm2-calib --ppo build/smollm2-policy \
 		--slo-ms $(SMOLLM2_SLO_MS) $(if $(SMOLLM2_TRAFFIC),--workload $(SMOLLM2_TRAFFIC))
+
+# Engines side by side (eager, inductor, onnxruntime, rbcompile on both) at each model's
+# light budgets (the static-light budgets of the tidal benchmark and one above).
+engines: $(MINILM_MR) $(SMOLLM2_CALIB)
+	$(PY) benchmarks/bench_engines.py --models build/minilm-mr --budgets 0.25 0.5 \
+		--classifier $(MR)/head.safetensors --labelled $(MR)/test.jsonl
+	$(PY) benchmarks/bench_engines.py --models build/smollm2-calib --budgets 0.05 0.1
 
 clean:
 	rm -rf build rbcompile-dump benchmarks/results

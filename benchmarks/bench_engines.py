@@ -1,13 +1,14 @@
 """Engines side by side: eager vs inductor vs onnxruntime (full model) vs rbcompile with inductor
 regions vs rbcompile in onnxruntime, at the full path and at budgets, on real text.
 
-Every contender runs the same batch, interleaved (one call each per round), after its warm-up
-(compilation, session creation); printed: median latency and its ratio to eager, inductor and
+Every contender runs the same batch, interleaved (one call each per round, ABBA order), after its
+warm-up (compilation, session creation); onnxruntime's threads do not spin between runs (they
+would steal the cores of the torch contender that follows). Printed: median latency and its ratio to eager, inductor and
 onnxruntime running the full model. Each budget's quality is measured on held-out text through
 the torch engine (the onnxruntime engine matches it within 1e-4, checked at export): decoders
 perplexity and top-1 agreement with the full path, encoders cosine of mean-pooled embeddings to
 the full path (or, with --classifier and --labelled, accuracy of that head).
-Writes benchmarks/results/bench_engines.json.
+Writes benchmarks/results/bench_engines_<models>.json.
 
     python benchmarks/bench_engines.py [--models build/minilm-mr build/smollm2-calib]
         [--budgets 0.25 0.5] [--rounds 9] [--threads 2]
@@ -29,7 +30,7 @@ from common import interleaved_medians, pin_threads, print_table, text_windows, 
 import rbcompile  # noqa: E402
 from rbcompile import quality  # noqa: E402
 from rbcompile.models import load_hf_model, resolve_checkpoint  # noqa: E402
-from rbcompile.onnx_export import OnnxRunner, export_onnx  # noqa: E402
+from rbcompile.onnx_export import OnnxRunner, export_onnx, session_options  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 SHAPES = {"encoder": (8, 64), "decoder": (2, 128)}   # batch x tokens timed per family
@@ -67,9 +68,8 @@ def plain_onnx_session(eager, family: str, example, folder: Path, threads: int):
                                 dynamic_shapes={"input_ids": axes, "attention_mask": axes},
                                 verbose=False)
     program.save(str(path))
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return onnxruntime.InferenceSession(str(path), session_options(threads),
+                                        providers=["CPUExecutionProvider"])
 
 
 def budget_quality(compiled, budgets, windows, classifier=None) -> dict[float, dict]:
@@ -124,7 +124,7 @@ def bench_model(name: str, budgets: list[float], rounds: int, threads: int, clas
             with step(f"exporting rbcompile at budget {b:g} to ONNX"):
                 report = export_onnx(compiled, folder / f"rb-{b:g}.onnx",
                                      budget=b or None, validate=False)
-            runners[b] = OnnxRunner(compiled, report.path)
+            runners[b] = OnnxRunner(compiled, report.path, threads)
         contenders = {
             "eager": lambda: eager(input_ids=input_ids, attention_mask=mask, **extra),
             "inductor": lambda: inductor(input_ids=input_ids, attention_mask=mask, **extra),
@@ -203,7 +203,8 @@ def main() -> None:
                         ("vs_eager", "vs eager"), ("vs_inductor", "vs inductor"),
                         ("vs_onnxruntime", "vs onnxruntime"), ("skipped", "skipped FLOPs"),
                         ("diff", "max diff vs eager"), ("quality_text", "quality")])
-    path = write_json("bench_engines", {"args": vars(args), "rows": rows})
+    tag = "_".join(Path(name).name for name in args.models)
+    path = write_json(f"bench_engines_{tag}", {"args": vars(args), "rows": rows})
     print(f"\nwrote {path}")
 
 

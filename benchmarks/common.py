@@ -31,10 +31,12 @@ def text_windows(tokenizer, batch: int, seq: int, file: str = "emma-excerpt.txt"
 
 
 def interleaved_medians(contenders: dict, rounds: int, warmup: int = 2) -> dict[str, dict]:
-    """Time each contender once per round, in turn, so drift hits all alike; median per name."""
+    """Time each contender once per round, in turn, so drift hits all alike; median per name.
+    Odd rounds run in reverse order (ABBA), so no contender always follows the same one."""
     samples = {name: [] for name in contenders}
     for round_index in range(warmup + rounds):
-        for name, fn in contenders.items():
+        order = list(contenders.items())
+        for name, fn in (order[::-1] if round_index % 2 else order):
             start = time.perf_counter()
             fn()
             elapsed = time.perf_counter() - start

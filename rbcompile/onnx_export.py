@@ -292,11 +292,23 @@ def export_onnx(compiled, path, *, opset: int = 20, dynamic: bool = True,
     return report
 
 
+def session_options(threads: int | None = None):
+    """onnxruntime options: `threads` intra-op threads (None: one per core) that sleep when idle
+    instead of spinning, so that torch work between runs keeps its cores."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
 class OnnxRunner:
     """An exported .onnx run by onnxruntime, called like the CompiledModel it was exported from
     (same input checks, gate choice and CompiledOutput)."""
 
-    def __init__(self, compiled, path):
+    def __init__(self, compiled, path, threads: int | None = None):
         import onnxruntime
 
         from .errors import UserError
@@ -305,7 +317,7 @@ class OnnxRunner:
         if not path.is_file():
             raise UserError(f"no such ONNX file: {path}")
         try:
-            self.session = onnxruntime.InferenceSession(str(path),
+            self.session = onnxruntime.InferenceSession(str(path), session_options(threads),
                                                         providers=["CPUExecutionProvider"])
         except Exception as exc:
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
