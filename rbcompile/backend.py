@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import keyword
 import logging
 import operator
 import re
@@ -30,7 +31,7 @@ from torch.fx import GraphModule
 from .codegen import generate_source
 from .compiler import attach_weights, compile_regions, instantiate
 from .errors import CompileError
-from .ir import build_ir
+from .ir import RESERVED_NAMES, build_ir
 from .passes import PassContext, run_pipeline
 from .runtime.plans import check_budget, plan_for_budget, skipped_share
 
@@ -116,6 +117,7 @@ def reset() -> None:
 
 # ---- dynamo graph -> pipeline graph ------------------------------------------------------------
 
+_TAKEN = RESERVED_NAMES | {"widths"}  # the generated forward's own names
 _WEIGHT = re.compile(r"_(parameters|buffers)_")
 _PREFIX = re.compile(r"^l_(self_|args_0_|kwargs_)?")
 
@@ -127,9 +129,12 @@ def _weight_key(placeholder: str) -> str:
 
 
 def _input_name(placeholder: str) -> str:
-    """`l_kwargs_attention_mask_` -> `attention_mask`; `l_args_1_` -> `args_1`."""
-    name = re.sub(r"^l_(kwargs_)?", "", placeholder).rstrip("_")
-    return name if name.isidentifier() and not name.startswith("__") else f"input_{abs(hash(name))}"
+    """`l_kwargs_attention_mask_` -> `attention_mask`; `l_args_1_` -> `args_1`; names the
+    generated forward uses itself get an `input_` prefix."""
+    name = re.sub(r"\W", "_", re.sub(r"^l_(kwargs_)?", "", placeholder).rstrip("_")).strip("_")
+    if not name or name[0].isdigit() or keyword.iskeyword(name) or name in _TAKEN:
+        return f"input_{name}"
+    return name
 
 
 def _set_buffer(root: torch.nn.Module, key: str, tensor: torch.Tensor) -> None:
@@ -157,12 +162,13 @@ def to_pipeline_graph(aten_gm: GraphModule, names: list[str], values: list):
         raise CompileError(f"ATen graph has {len(placeholders)} inputs for {len(names)} "
                            "dynamo inputs")
     input_names, positions, references = [], [], {}
-    keys: dict[int, str] = {}
+    keys: dict[int, str] = {}  # tensor id -> key: a tied weight is one constant
     for position, (node, name, value) in enumerate(zip(placeholders, names, values)):
         if _WEIGHT.search(name) and isinstance(value, torch.Tensor):
-            key = keys.setdefault(id(value), _weight_key(name))
-            if not hasattr(aten_gm, key.split(".")[0]) or key not in dict(aten_gm.named_buffers()):
-                _set_buffer(aten_gm, key, value.detach())
+            if id(value) not in keys:
+                keys[id(value)] = _weight_key(name)
+                _set_buffer(aten_gm, keys[id(value)], value.detach())
+            key = keys[id(value)]
             with aten_gm.graph.inserting_before(node):
                 constant = aten_gm.graph.get_attr(key)
             constant.meta = dict(node.meta)
