@@ -1,0 +1,20 @@
+"""Kernel registration, the same for every kernel: a `torch.library.custom_op` named
+`rbcompile::<name>` whose default implementation is the plain PyTorch reference (CPU, and the
+fake implementation that torch.export / torch.compile trace), with the Triton launcher as its
+CUDA implementation when Triton is importable.
+
+`DECOMPOSITIONS` maps each op to its reference, for exporters that need plain ATen (ONNX).
+"""
+import torch
+
+DECOMPOSITIONS: dict = {}
+
+
+def kernel_op(name: str, reference, cuda=None):
+    """Register `reference` (type-annotated, returns new tensors) as `rbcompile::<name>`."""
+    op = torch.library.custom_op(f"rbcompile::{name}", reference, mutates_args=())
+    op.register_fake(reference)
+    if cuda is not None:
+        op.register_kernel("cuda", cuda)
+    DECOMPOSITIONS[getattr(torch.ops.rbcompile, name).default] = reference
+    return op
