@@ -1,4 +1,11 @@
 """Fused kernels (Triton on CUDA, PyTorch reference on CPU), one file each; importing this
 package registers them as `torch.ops.rbcompile.*` (see registry.py)."""
-from . import gated_residual, gelu, head_attention, layer_norm, rms_norm, swiglu  # noqa: F401
-from .registry import DECOMPOSITIONS  # noqa: F401
+import torch
+
+from . import gated_residual, gelu, head_attention, layer_norm, rms_norm, swiglu
+from .registry import REFERENCES
+
+OPS = torch.ops.rbcompile  # the registered kernels: OPS.rms_norm.default, ...
+
+__all__ = ["OPS", "REFERENCES", "gated_residual", "gelu", "head_attention", "layer_norm",
+           "rms_norm", "swiglu"]

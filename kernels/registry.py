@@ -3,11 +3,14 @@
 fake implementation that torch.export / torch.compile trace), with the Triton launcher as its
 CUDA implementation when Triton is importable.
 
-`DECOMPOSITIONS` maps each op to its reference, for exporters that need plain ATen (ONNX).
+`REFERENCES` holds each reference under the op's name (`REFERENCES.rms_norm.default`), for code
+that must trace to plain ATen: the module ONNX export runs (codegen's `guards="cond"`).
 """
+import types
+
 import torch
 
-DECOMPOSITIONS: dict = {}
+REFERENCES = types.SimpleNamespace()
 
 
 def kernel_op(name: str, reference, cuda=None):
@@ -16,5 +19,5 @@ def kernel_op(name: str, reference, cuda=None):
     op.register_fake(reference)
     if cuda is not None:
         op.register_kernel("cuda", cuda)
-    DECOMPOSITIONS[getattr(torch.ops.rbcompile, name).default] = reference
+    setattr(REFERENCES, name, types.SimpleNamespace(default=reference))
     return op

@@ -18,6 +18,7 @@ from .base import PassContext, PassResult, check_facts
 from .canonicalize import canonicalize
 from .discover_blocks import discover_blocks
 from .form_regions import form_regions
+from .fuse_kernels import fuse_kernels
 from .mark_cache_reuse import mark_cache_reuse
 from .mark_prunable import mark_prunable
 from .mark_skeleton import mark_skeleton
@@ -34,6 +35,7 @@ PIPELINE = [
     mark_prunable,
     mark_cache_reuse,
     form_regions,
+    fuse_kernels,
 ]
 
 # Passes that need calibration (ctx.width_importance); they change weights, not the graph.

@@ -85,6 +85,7 @@ class PassContext:
     width_importance: dict[str, dict[str, list[float]]] | None = None  # unit -> heads / channels
     permutations: dict[str, dict[str, list[int]]] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    kernels: bool = False                    # fuse_kernels: replace patterns with fused kernels
     dump_pass: str | None = None             # dump the graph before/after this pass
     dump_dir: str | None = None
 

@@ -46,6 +46,7 @@ class BackendOptions:
     budget: float | None = None  # default budget when no `decision` is active (None: full path)
     regions: str = "inductor"    # how the generated regions run: "inductor" or "eager"
     strict: bool = False         # raise on a graph rbcompile cannot compile (no fallback)
+    kernels: bool | None = None  # fuse norms / activations into rbcompile's kernels (None: on CUDA)
     dump_pass: str | None = None  # write the graph before/after this pass (see passes/)
 
     @classmethod
@@ -229,8 +230,10 @@ class _Runner:
 def _compile_aten(aten_gm: GraphModule, names, values, options: BackendOptions,
                   record: CompiledGraph):
     gm, input_names, positions, references = to_pipeline_graph(aten_gm, names, values)
+    on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
     ctx = PassContext(family=_family(gm), config=None, reference_inputs=references,
-                      input_names=input_names, dump_pass=options.dump_pass)
+                      input_names=input_names, dump_pass=options.dump_pass,
+                      kernels=on_cuda if options.kernels is None else options.kernels)
     run_pipeline(gm, ctx)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     outputs = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]

@@ -53,6 +53,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="with --calib: narrower widths each region may run at (default 0.75,0.5)")
     p.add_argument("--width-floor", type=float, default=0.5,
                    help="fewest heads / channels a width level may keep (default 0.5)")
+    p.add_argument("--kernels", action="store_true",
+                   help="fuse norms and activations into rbcompile's kernels (Triton on CUDA; "
+                   "default off: on CPU they run their PyTorch references)")
     p.add_argument("--dump-pass", help="write the graph before/after this pass to ./rbcompile-dump")
     p.add_argument("-v", "--verbose", action="store_true", help="log every pass")
 
@@ -134,7 +137,7 @@ def _cmd_compile(args) -> None:
     model = rbcompile.compile(args.model, dump_pass=args.dump_pass, calib=args.calib,
                               calib_samples=args.calib_samples, calib_seq=args.calib_seq,
                               width_levels=args.width_levels, width_floor=args.width_floor,
-                              calib_head=args.calib_head)
+                              calib_head=args.calib_head, kernels=args.kernels)
     for entry in model.manifest["passes"]:
         say(f"  pass {entry['pass']}: {entry['summary']}")
     with step(f"writing artifact {args.output}"):

@@ -6,7 +6,8 @@ when its gate is on (otherwise its output is the residual stream it reads: an id
 
 With `guards="cond"` (ONNX export only, never saved) each gate is a `torch.cond` on a bool
 tensor `gates[i]`, which exports as an ONNX `If`; cache regions are computed directly and the
-width levels are chosen by Python comparisons, so a given `widths` list is baked in.
+width levels are chosen by Python comparisons, so a given `widths` list is baked in; fused
+kernels (`rbcompile.*` ops) call their PyTorch references, which export as plain ONNX.
 """
 from __future__ import annotations
 
@@ -35,8 +36,13 @@ def _arg(value, params: dict[str, str]) -> str:
     return repr(value)
 
 
+KERNELS = "rbcompile."  # op names of the fused kernels (torch.ops.rbcompile, see kernels/)
+
+
 def _call(op: str, args: list, kwargs: dict, params: dict[str, str]) -> str:
     parts = [_arg(a, params) for a in args] + [f"{k}={_arg(v, params)}" for k, v in kwargs.items()]
+    if op.startswith(KERNELS):
+        op = "rbcompile_ops." + op[len(KERNELS):]
     return f"{op}({', '.join(parts)})"
 
 
@@ -193,6 +199,8 @@ def generate_source(ir: dict, guards: str = "python") -> str:
     table = "\n".join(f"  gate {r['gate']:>3} -> region {r['id']:>3} {r['unit_kind']:<9} "
                       f"{r['name']} ({r['prunable_share']:.1%} of prunable FLOPs)"
                       for r in prunable)
+    fused = any(node[1].startswith(KERNELS)
+                for node in [*ir["nodes"], *(n for v in variants for n in v["nodes"])])
     param_lines = "\n".join(f"        {name!r}: {key!r}," for name, key in ir["parameters"].items())
     view_lines = "\n".join(f"        {name!r}: ({v['key']!r}, {v['axis']!r}, {v['length']!r}),"
                            for var in variants for name, v in var["parameters"].items())
@@ -209,10 +217,13 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         "",
         "import torch",
         "",
+        *(["import rbcompile.kernels  # noqa: F401  (registers the fused kernels)"] if fused else []),
         "from rbcompile.runtime.region_cache import RegionCache",
         "",
         "aten = torch.ops.aten",
         "prims = torch.ops.prims",
+        *([f"rbcompile_ops = {'rbcompile.kernels.REFERENCES' if guards == 'cond' else 'torch.ops.rbcompile'}"]
+          if fused else []),
         "",
         *(_COND if guards == "cond" else []),
         "",

@@ -161,9 +161,11 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
 
 def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                   calib_samples: int | None = None, calib_seq: int | None = None,
-                  width_levels=DEFAULT_LEVELS, width_floor: float = 0.5, calib_head=None):
+                  width_levels=DEFAULT_LEVELS, width_floor: float = 0.5, calib_head=None,
+                  kernels: bool = False):
     """Compile a bundled model name, a checkpoint folder or a loaded transformers model;
-    with `calib` (a text source), also calibrate importance and budget plans."""
+    with `calib` (a text source), also calibrate importance and budget plans; with `kernels`,
+    fuse norms and activations into rbcompile's kernels (passes/fuse_kernels.py)."""
     from .compiled import CompiledModel
 
     if isinstance(model_or_path, torch.nn.Module):
@@ -183,7 +185,7 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                                seq=min(REFERENCE_SEQ, traced.max_positions))
     reference["attention_mask"].fill_(1)
     ctx = PassContext(family=arch["family"], config=model.config, reference_inputs=reference,
-                      input_names=INPUT_NAMES, dump_pass=dump_pass)
+                      input_names=INPUT_NAMES, dump_pass=dump_pass, kernels=kernels)
     gm = traced.graph_module
     with step(f"running {len(PIPELINE)} passes"):
         run_pipeline(gm, ctx)

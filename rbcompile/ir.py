@@ -6,6 +6,7 @@ cannot make the generated code call anything but PyTorch operators.
 """
 from __future__ import annotations
 
+import importlib
 import keyword
 import math
 import operator
@@ -20,8 +21,9 @@ IR_VERSION = 1
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PARAM_KEY = re.compile(r"[A-Za-z0-9_.]+")
 _TEXT = re.compile(r"[A-Za-z0-9_.,:+<>()/ -]*")  # strings codegen writes into comments
-_OP = re.compile(r"(aten|prims)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
-RESERVED_NAMES = {"self", "gates", "torch", "aten", "prims", "operator", "math", "RegionCache"}
+_OP = re.compile(r"(aten|prims|rbcompile)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
+RESERVED_NAMES = {"self", "gates", "torch", "aten", "prims", "operator", "math", "RegionCache",
+                  "rbcompile", "rbcompile_ops"}
 OPERATOR_FUNCTIONS = {f"operator.{name}": getattr(operator, name) for name in (
     "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow",
     "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_")}
@@ -54,6 +56,8 @@ def resolve_op(name: str):
     match = _OP.fullmatch(name)
     if not match:
         raise UserError(f"corrupt artifact graph: bad operation name {name!r}")
+    if match[1] == "rbcompile":  # our fused kernels: importing them registers them
+        importlib.import_module("rbcompile.kernels")
     try:
         op = getattr(getattr(getattr(torch.ops, match[1]), match[2]), match[3])
     except AttributeError:

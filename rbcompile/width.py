@@ -93,7 +93,7 @@ def build_variant(eager, compiled, ctx, ratio: float) -> dict | None:
         return None
     traced = trace(model, ctx.family)
     vctx = PassContext(family=ctx.family, config=ctx.config, input_names=INPUT_NAMES,
-                       reference_inputs=ctx.reference_inputs)
+                       reference_inputs=ctx.reference_inputs, kernels=ctx.kernels)
     run_pipeline(traced.graph_module, vctx)
     vir = build_ir(traced.graph_module, vctx.regions, INPUT_NAMES, traced.output_names)
     full_by_name = {r["name"]: r for r in compiled.regions if r["kind"] == "prunable"}

@@ -1,0 +1,244 @@
+"""Replace norm and activation patterns with the fused kernels of `rbcompile.kernels`.
+
+Requires: `ctx:regions` (runs last: a pattern is fused only when all its nodes lie in one
+region, so guarded branches keep their boundaries). Runs only with `ctx.kernels` set (on by
+default for CUDA; on CPU the kernels run their PyTorch references, which inductor cannot fuse
+through). Ensures: the graph computes the same values; fused nodes keep the region, kind and
+unit of the node they replace.
+
+Patterns, on ATen graphs from torch.export and from the torch.compile backend (aot_autograd):
+- HF RMSNorm: `w * (x * rsqrt(mean(x^2, -1) + eps))` (with fp32 casts) -> `rms_norm`;
+- `layer_norm(x, ...)` -> `layer_norm`;
+- a residual add feeding either norm in the same region -> `add_rms_norm` / `add_layer_norm`
+  (the new residual comes back as the op's second output);
+- `silu(gate) * up` -> `swiglu`;
+- `gelu(linear(x, W, b))` (erf or tanh) and the tanh formula of GPT-2's NewGELU, with its
+  bias when the producing matmul has one -> `linear(x, W)` + `gelu_bias`.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from collections import Counter
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..kernels import OPS as ops
+from .base import REGION, PassContext, PassResult, graph_pass
+
+aten = torch.ops.aten
+_CASTS = {aten.to.dtype, aten._to_copy.default}
+
+
+def _call(node, target, n_args: int | None = None) -> bool:
+    return (isinstance(node, Node) and node.op == "call_function" and node.target == target
+            and (n_args is None or len(node.args) == n_args))
+
+
+def _uncast(node: Node) -> Node:
+    return node.args[0] if _call(node, aten.to.dtype) or _call(node, aten._to_copy.default) else node
+
+
+def _only_user(node: Node) -> Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _scalar_arg(node: Node, value: float) -> Node | None:
+    """The tensor operand of `node` when its other operand is the number `value`."""
+    a, b = node.args[:2]
+    if isinstance(b, (int, float)) and math.isclose(b, value, rel_tol=1e-6):
+        return a
+    if isinstance(a, (int, float)) and math.isclose(a, value, rel_tol=1e-6):
+        return b
+    return None
+
+
+def _match_rms_norm(rsqrt: Node):
+    """(x, weight, eps, nodes, output) of an HF RMSNorm around `rsqrt`, or None."""
+    add = rsqrt.args[0]
+    if not _call(add, aten.add.Tensor) or not isinstance(add.args[1], float):
+        return None
+    mean = add.args[0]
+    if not (_call(mean, aten.mean.dim) and list(mean.args[1]) == [-1]
+            and (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim"))):
+        return None
+    power = mean.args[0]
+    if not (_call(power, aten.pow.Tensor_Scalar) and power.args[1] == 2):
+        return None
+    x = power.args[0]
+    scaled = _only_user(rsqrt)
+    if not _call(scaled, aten.mul.Tensor) or set(scaled.args) != {x, rsqrt}:
+        return None
+    cast = _only_user(scaled)
+    nodes = [power, mean, add, rsqrt, scaled]
+    if cast is not None and cast.target in _CASTS:
+        nodes.append(cast)
+        scaled = cast
+    out = _only_user(scaled)
+    if not _call(out, aten.mul.Tensor):
+        return None
+    weight = out.args[0] if out.args[1] is scaled else out.args[1]
+    if not isinstance(weight, Node) or weight.op != "get_attr":
+        return None
+    if any(len(n.users) != 1 for n in nodes):
+        return None
+    return _uncast(x), weight, add.args[1], nodes + [out], out
+
+
+def _match_new_gelu(out: Node):
+    """x of `0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))` ending at `out`, or None."""
+    if not _call(out, aten.mul.Tensor):
+        return None
+    half, one_plus = out.args[:2]
+    if not (_call(half, aten.mul.Tensor) and _call(one_plus, aten.add.Tensor)):
+        return None
+    x = _scalar_arg(half, 0.5)
+    tanh = _scalar_arg(one_plus, 1.0)
+    if x is None or not _call(tanh, aten.tanh.default):
+        return None
+    inner = _scalar_arg(tanh.args[0], math.sqrt(2 / math.pi)) if _call(tanh.args[0], aten.mul.Tensor) else None
+    if not _call(inner, aten.add.Tensor) or x not in inner.args:
+        return None
+    cubic = inner.args[1] if inner.args[0] is x else inner.args[0]
+    cube = _scalar_arg(cubic, 0.044715) if _call(cubic, aten.mul.Tensor) else None
+    if not (_call(cube, aten.pow.Tensor_Scalar) and cube.args[0] is x and cube.args[1] == 3):
+        return None
+    nodes = [half, cube, cubic, inner, tanh.args[0], tanh, one_plus, out]
+    if any(user not in nodes for n in nodes[:-1] for user in n.users):
+        return None
+    return x, nodes
+
+
+class _Fuser:
+    def __init__(self, gm: GraphModule, ctx: PassContext):
+        self.gm, self.ctx, self.counts = gm, ctx, Counter()
+        self.renamed: dict[str, str] = {}
+        self.erased: set[Node] = set()
+
+    def same_region(self, nodes) -> bool:
+        return len({n.meta.get(REGION) for n in nodes if n.op == "call_function"}) == 1
+
+    def replace(self, kind: str, anchor: Node, target, args, outputs: list[Node | None],
+                removed: list[Node]) -> None:
+        """Insert `target(*args)` at `anchor`; output i replaces `outputs[i]` (None: unused)."""
+        graph = self.gm.graph
+        meta = {k: v for k, v in anchor.meta.items() if k != "val"}
+        with graph.inserting_before(anchor):
+            fused = graph.call_function(target, tuple(args))
+            fused.meta.update(meta)
+            if len(outputs) == 1:
+                results = [fused]
+            else:
+                results = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(outputs))]
+                for result in results:
+                    result.meta.update(meta)
+        for old, new in zip(outputs, results):
+            if old is not None:
+                new.meta["val"] = old.meta.get("val")
+                old.replace_all_uses_with(new)
+                self.renamed[old.name] = new.name
+        for node in reversed(removed):
+            if not node.users:
+                graph.erase_node(node)
+                self.erased.add(node)
+        self.counts[kind] += 1
+
+    def _residual(self, x: Node, anchor: Node, pattern: list[Node]) -> Node | None:
+        """`x` when it is a residual add in the pattern's region whose other users all come after
+        `anchor` (they read the fused op's second output instead)."""
+        if not _call(x, aten.add.Tensor) or not all(isinstance(a, Node) for a in x.args[:2]):
+            return None
+        if len(x.args) > 2 or x.kwargs.get("alpha", 1) != 1 or not self.same_region([x, *pattern]):
+            return None
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        if any(order[user] < order[anchor] for user in x.users if user not in pattern):
+            return None
+        vals = [a.meta.get("val") for a in x.args[:2]]
+        same = all(isinstance(v, torch.Tensor) for v in vals) and vals[0].shape == vals[1].shape
+        return x if same else None
+
+    def norm(self, kind, anchor, x, params, pattern, plain, with_add) -> None:
+        add = self._residual(x, anchor, pattern)
+        if add is None:
+            self.replace(kind, anchor, plain, (x, *params), [anchor], pattern)
+        else:
+            residual, branch = add.args[:2]
+            self.replace("add+" + kind, anchor, with_add, (branch, residual, *params),
+                         [anchor, add], pattern + [add])
+
+    def run(self) -> None:
+        for node in list(self.gm.graph.nodes):
+            if node in self.erased or node.op != "call_function":
+                continue
+            if node.target is aten.rsqrt.default:
+                match = _match_rms_norm(node)
+                if match and self.same_region(match[3]):
+                    x, weight, eps, nodes, out = match
+                    self.norm("rms_norm", out, x, (weight, eps), nodes, ops.rms_norm.default,
+                              ops.add_rms_norm.default)
+            elif node.target is aten.layer_norm.default and len(node.args) >= 4:
+                x, shape, weight, bias = node.args[:4]
+                eps = node.args[4] if len(node.args) > 4 else 1e-5
+                if (isinstance(weight, Node) and isinstance(bias, Node) and len(shape) == 1):
+                    self.norm("layer_norm", node, x, (weight, bias, eps), [node],
+                              ops.layer_norm.default, ops.add_layer_norm.default)
+        for node in list(self.gm.graph.nodes):
+            if node in self.erased or node.op != "call_function":
+                continue
+            if _call(node, aten.mul.Tensor) and _call(node.args[0], aten.silu.default):
+                silu = node.args[0]
+                if len(silu.users) == 1 and self.same_region([silu, node]):
+                    self.replace("swiglu", node, ops.swiglu.default, (silu.args[0], node.args[1]),
+                                 [node], [node, silu])
+            elif _call(node, aten.gelu.default):
+                approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+                self.gelu(node, node.args[0], approximate, [node])
+            else:
+                match = _match_new_gelu(node)
+                if match:
+                    self.gelu(node, match[0], "tanh", match[1])
+
+    def gelu(self, anchor: Node, x: Node, approximate: str, pattern: list[Node]) -> None:
+        if not self.same_region(pattern):
+            return
+        if (_call(x, aten.linear.default, 3) and isinstance(x.args[2], Node) and len(x.users) == 1
+                and self.same_region([x, *pattern])):
+            graph = self.gm.graph
+            bias = x.args[2]
+            with graph.inserting_before(x):
+                matmul = graph.call_function(aten.linear.default, x.args[:2])
+            matmul.meta.update({k: v for k, v in x.meta.items()})
+            self.replace("linear+gelu_bias", anchor, ops.gelu_bias.default,
+                         (matmul, bias, approximate), [anchor], pattern + [x])
+        else:
+            self.replace("gelu", anchor, ops.gelu_bias.default, (x, None, approximate), [anchor],
+                         pattern)
+
+
+def _rename_region_values(regions: list[dict], renamed: dict[str, str]) -> None:
+    def follow(name):
+        while name in renamed:
+            name = renamed[name]
+        return name
+    for region in regions:
+        region["inputs"] = [follow(n) for n in region["inputs"]]
+        region["outputs"] = [follow(n) for n in region["outputs"]]
+        if "skip" in region:
+            region["skip"] = {follow(k): follow(v) for k, v in region["skip"].items()}
+
+
+@graph_pass(requires=("ctx:regions",))
+def fuse_kernels(gm: GraphModule, ctx: PassContext) -> PassResult:
+    if not ctx.kernels:
+        return PassResult(False, "off (fused kernels not requested)")
+    fuser = _Fuser(gm, ctx)
+    fuser.run()
+    gm.graph.eliminate_dead_code()  # casts the fused ops now do themselves
+    gm.graph.lint()
+    gm.recompile()
+    _rename_region_values(ctx.regions, fuser.renamed)
+    total = sum(fuser.counts.values())
+    detail = ", ".join(f"{v} {k}" for k, v in sorted(fuser.counts.items()))
+    return PassResult(total > 0, f"fused {total} patterns ({detail or 'none found'})",
+                      dict(fuser.counts))

@@ -1,0 +1,134 @@
+"""The fuse_kernels pass: which ops it leaves in the graph, parity of fused modules with eager,
+artifacts and ONNX export of fused modules, and the torch.compile backend with kernels."""
+import pytest
+import torch
+
+import rbcompile
+from conftest import TINY_VOCAB, eager_outputs, make_tiny_model, max_diff
+
+# arch -> (ops the pass must add, ops it must remove entirely)
+EXPECTED = {
+    "llama": ({"rbcompile.rms_norm.default", "rbcompile.swiglu.default"},
+              {"aten.rsqrt.default", "aten.silu.default"}),
+    "gpt2": ({"rbcompile.layer_norm.default", "rbcompile.gelu_bias.default"},
+             {"aten.layer_norm.default", "aten.tanh.default", "aten.pow.Tensor_Scalar"}),
+    "bert": ({"rbcompile.add_layer_norm.default", "rbcompile.gelu_bias.default"},
+             {"aten.layer_norm.default", "aten.gelu.default"}),
+}
+
+
+@pytest.fixture(scope="module")
+def fused_tiny():
+    out = {}
+    for arch in EXPECTED:
+        eager = make_tiny_model(arch)
+        out[arch] = (rbcompile.compile(eager, kernels=True), eager)
+    return out
+
+
+def _inputs(batch=2, seq=9):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, TINY_VOCAB, (batch, seq), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    return ids, mask
+
+
+def _ops(compiled) -> set[str]:
+    return {node[1] for node in compiled.ir["nodes"]}
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED))
+def test_pass_replaces_patterns_with_kernel_ops(fused_tiny, arch):
+    compiled, _ = fused_tiny[arch]
+    present, absent = EXPECTED[arch]
+    ops = _ops(compiled)
+    assert present <= ops
+    assert not (absent & ops)
+    (entry,) = [p for p in compiled.manifest["passes"] if p["pass"] == "fuse_kernels"]
+    assert entry["changed"] and entry["stats"]
+
+
+def test_pass_is_off_by_default(compiled_tiny):
+    compiled, _ = compiled_tiny["llama"]
+    assert not any(op.startswith("rbcompile.") for op in _ops(compiled))
+    assert "aten.rsqrt.default" in _ops(compiled)
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED))
+def test_fused_full_path_matches_eager_and_gates_still_skip(fused_tiny, arch):
+    compiled, eager = fused_tiny[arch]
+    ids, mask = _inputs()
+    assert max_diff(compiled(ids, mask), eager_outputs(eager, ids, mask)) <= 1e-5
+    light = compiled(ids, mask, budget=0.5)
+    assert light.skipped_flops > 0
+    plain = rbcompile.compile(eager)
+    assert max_diff(light, plain(ids, mask, budget=0.5)) <= 1e-5
+
+
+def test_fused_artifact_round_trips(fused_tiny, tmp_path):
+    compiled, _ = fused_tiny["bert"]
+    loaded = rbcompile.load(compiled.save(tmp_path / "fused"))
+    assert "import rbcompile.kernels" in loaded.source
+    ids, mask = _inputs()
+    assert torch.equal(loaded(ids, mask)["last_hidden_state"], compiled(ids, mask)["last_hidden_state"])
+
+
+def test_fused_module_exports_to_onnx(fused_tiny, tmp_path):
+    from rbcompile.onnx_export import OnnxRunner, export_onnx
+
+    compiled, _ = fused_tiny["llama"]
+    report = export_onnx(compiled, tmp_path / "fused.onnx", validate=False)
+    runner = OnnxRunner(compiled, report.path)
+    ids, mask = _inputs()
+    real = mask.bool()  # padded positions hold unspecified values in both engines
+    expected = compiled(ids, mask)["logits"][real]
+    got = runner(ids, mask)["logits"][real]
+    assert (expected - got).abs().max().item() <= 1e-4
+
+
+def test_backend_with_kernels_matches_eager():
+    from rbcompile import backend
+
+    torch._dynamo.reset()
+    backend.reset()
+    model = make_tiny_model("llama")
+    compiled = torch.compile(model, backend="rbcompile",
+                             options={"strict": True, "regions": "eager", "kernels": True})
+    ids, mask = _inputs()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, use_cache=False).logits
+        got = compiled(ids, attention_mask=mask, use_cache=False).logits
+    assert (expected - got).abs().max().item() <= 1e-5
+    (graph,) = backend.compiled_graphs()
+    assert graph.handled_by == "rbcompile"
+    torch._dynamo.reset()
+
+
+@pytest.mark.real
+def test_smollm2_fused_matches_eager():
+    from rbcompile.models import load_hf_model, resolve_checkpoint
+
+    path = resolve_checkpoint("smollm2-135m")
+    compiled = rbcompile.compile("smollm2-135m", kernels=True)
+    assert {"rbcompile.rms_norm.default", "rbcompile.swiglu.default"} <= _ops(compiled)
+    tokenizer = compiled.tokenizer
+    batch = tokenizer(["The capital of France is", "Emma Woodhouse, handsome, clever, and rich"],
+                      return_tensors="pt", padding=True)
+    eager = load_hf_model(path)
+    out = compiled(batch["input_ids"], batch["attention_mask"])
+    assert max_diff(out, eager_outputs(eager, batch["input_ids"], batch["attention_mask"])) <= 1e-5
+
+
+def test_calibrated_width_levels_are_fused_too(tiny_checkpoints, calib_file):
+    from rbcompile.models import load_hf_model
+
+    compiled = rbcompile.compile(tiny_checkpoints["llama"], calib=calib_file, calib_samples=8,
+                                 calib_seq=32, kernels=True)
+    variant_ops = {node[1] for variant in compiled.ir["variants"] for node in variant["nodes"]}
+    assert "rbcompile.swiglu.default" in variant_ops
+    eager = load_hf_model(tiny_checkpoints["llama"])
+    ids, mask = _inputs()
+    assert max_diff(compiled(ids, mask), eager_outputs(eager, ids, mask)) <= 1e-5
+    narrow = compiled(ids, mask, widths=[0.5] * compiled.num_gates)
+    assert narrow.skipped_flops > 0
