@@ -99,6 +99,7 @@ class CompiledGraph:
     reason: str = ""                    # why inductor took it
     regions: list[dict] = field(default_factory=list)
     num_gates: int = 0
+    passes: list[dict] = field(default_factory=list)  # what each pass did (ctx.history)
     calls: int = 0
     last_gates: list[bool] | None = None
     last_skipped: float = 0.0           # fraction of prunable FLOPs the last call skipped
@@ -244,8 +245,10 @@ def _compile_aten(aten_gm: GraphModule, names, values, options: BackendOptions,
     if options.regions == "inductor":
         compile_regions(module)
     record.handled_by, record.regions, record.num_gates = "rbcompile", ctx.regions, module.NUM_GATES
-    logger.info("graph %d: %d regions, %d gates (%s)", record.index, len(ctx.regions),
-                module.NUM_GATES, ctx.history[-1]["summary"])
+    record.passes = ctx.history
+    logger.info("graph %d: %d regions, %d gates; %s", record.index, len(ctx.regions),
+                module.NUM_GATES, "; ".join(f"{h['pass']}: {h['summary']}" for h in ctx.history
+                                             if h["pass"] in ("form_regions", "fuse_kernels")))
     return _Runner(module, positions, record, options, None)
 
 

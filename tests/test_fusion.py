@@ -102,6 +102,8 @@ def test_backend_with_kernels_matches_eager():
     assert (expected - got).abs().max().item() <= 1e-5
     (graph,) = backend.compiled_graphs()
     assert graph.handled_by == "rbcompile"
+    (fused,) = [p for p in graph.passes if p["pass"] == "fuse_kernels"]
+    assert fused["stats"].get("rms_norm", 0) >= 8 and fused["stats"].get("swiglu") == 4
     torch._dynamo.reset()
 
 
