@@ -7,8 +7,8 @@ to run the kernels on CPU tensors (Triton's interpreter, as the tests do): `trit
 when a kernel is defined.
 
 Layout: every kernel works on rows, `[rows, hidden]` after flattening the leading dimensions;
-one program takes a block of `BLOCK_ROWS` rows x the whole (power-of-two padded) hidden
-dimension, so the norms reduce a row inside one program.
+a norm's program takes a block of `BLOCK_ROWS` rows x the whole (power-of-two padded) hidden
+dimension, so it reduces a row inside one program; elementwise kernels take 2-D tiles.
 """
 import os
 
@@ -63,6 +63,17 @@ def blocks(n_rows: int, n_cols: int) -> tuple[int, int, int]:
 
 def grid(n_rows: int, block_rows: int) -> tuple[int]:
     return (triton.cdiv(n_rows, block_rows),)
+
+
+def tiles(n_rows: int, n_cols: int) -> tuple[int, int, int, tuple[int, int]]:
+    """(BLOCK_ROWS, BLOCK_N, num_warps, grid) for elementwise kernels: 2-D tiles of rows x
+    columns (columns tiled by 1024 on the GPU; whole rows, many of them, when interpreting)."""
+    budget = 1 << 17 if interpreting() else 4096
+    block_n = min(triton.next_power_of_2(max(n_cols, 1)), MAX_HIDDEN if interpreting() else 1024)
+    block_rows = max(1, min(budget // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    num_warps = 4 if block_rows * block_n <= 2048 else 8
+    return block_rows, block_n, num_warps, (triton.cdiv(n_rows, block_rows),
+                                            triton.cdiv(n_cols, block_n))
 
 
 if triton is not None:
