@@ -90,3 +90,5 @@ if triton is not None:
         else:
             out = y.to(dtype)
         return out
+else:
+    cast = None

@@ -4,6 +4,10 @@ views of q / k / v, never a copy of the projections' weights or activations.
 With GQA the key / value heads kept are `heads * kv_heads // q_heads` (whole groups).
 Reference: torch.nn.functional.scaled_dot_product_attention as transformers' sdpa attention
 calls it.
+
+No Triton kernel: the op is this SDPA wrapper on every device (SDPA already picks fused flash /
+memory-efficient kernels on CUDA). The wrapper only narrows: `q.narrow(1, 0, heads)` etc. are
+views of the callers' tensors (no copy of q / k / v; tests/test_kernels.py checks the storage).
 """
 from typing import Optional
 

@@ -1,0 +1,276 @@
+"""The fused kernels: each Triton launcher against its PyTorch reference (odd shapes, fp32 /
+bf16 / fp16), the ops under torch.export and torch.compile, their fake implementations, gated
+residual rows, head-sliced attention without copies.
+
+Without a GPU the launchers run on CPU tensors in Triton's interpreter (conftest sets
+TRITON_INTERPRET=1 before triton is imported); with `TRITON_INTERPRET=0` and CUDA present
+(benchmarks/gpu_check.sh) the same tests run the compiled kernels on the GPU, and the ops'
+CUDA dispatch is checked to be the Triton launcher.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rbcompile.kernels import OPS, REFERENCES, _triton, gated_residual, gelu, head_attention
+from rbcompile.kernels import layer_norm, rms_norm, swiglu
+
+needs_triton = pytest.mark.skipif(not _triton.AVAILABLE, reason="triton not installed")
+if _triton.AVAILABLE and not _triton.interpreting() and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() and not _triton.interpreting() else "cpu"
+SHAPES = [(5, 123), (3, 37, 576), (1, 1, 64), (7, 4096)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def rand(shape, dtype, seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=generator) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def close(actual, expected, dtype):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        actual.shape, actual.dtype, expected.shape, expected.dtype)
+    tol = TOL[dtype]
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def cases(shape, dtype):
+    """(label, op name, triton launcher, reference, args) for every kernel at `shape` / `dtype`."""
+    n = shape[-1]
+    x, other = rand(shape, dtype, 0, 2.0), rand(shape, dtype, 1)
+    weight, bias = rand(n, dtype, 2), rand(n, dtype, 3)
+    row_gate = (torch.arange(shape[0], device=DEVICE) % 2).to(dtype)
+    scalar_gate = torch.tensor(0.7, device=DEVICE)
+    return [
+        ("rms_norm", "rms_norm", rms_norm.rms_norm_triton, rms_norm.rms_norm_reference,
+         (x, weight, 1e-6)),
+        ("add_rms_norm", "add_rms_norm", rms_norm.add_rms_norm_triton,
+         rms_norm.add_rms_norm_reference, (x, other, weight, 1e-6)),
+        ("layer_norm", "layer_norm", layer_norm.layer_norm_triton, layer_norm.layer_norm_reference,
+         (x, weight, bias, 1e-5)),
+        ("add_layer_norm", "add_layer_norm", layer_norm.add_layer_norm_triton,
+         layer_norm.add_layer_norm_reference, (x, other, weight, bias, 1e-5)),
+        ("swiglu", "swiglu", swiglu.swiglu_triton, swiglu.swiglu_reference, (x, other)),
+        ("gelu_erf_bias", "gelu_bias", gelu.gelu_bias_triton, gelu.gelu_bias_reference,
+         (x, bias, "none")),
+        ("gelu_tanh_bias", "gelu_bias", gelu.gelu_bias_triton, gelu.gelu_bias_reference,
+         (x, bias, "tanh")),
+        ("gelu_tanh", "gelu_bias", gelu.gelu_bias_triton, gelu.gelu_bias_reference,
+         (x, None, "tanh")),
+        ("gated_residual_scalar", "gated_residual", gated_residual.gated_residual_triton,
+         gated_residual.gated_residual_reference, (x, other, scalar_gate)),
+        ("gated_residual_rows", "gated_residual", gated_residual.gated_residual_triton,
+         gated_residual.gated_residual_reference, (x, other, row_gate)),
+    ]
+
+
+def as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_triton_matches_reference(shape, dtype):
+    for name, _, launcher, reference, args in cases(shape, dtype):
+        for actual, expected in zip(as_tuple(launcher(*args)), as_tuple(reference(*args)),
+                                    strict=True):
+            try:
+                close(actual, expected, dtype)
+            except AssertionError as error:
+                raise AssertionError(f"{name}: {error}") from None
+
+
+@needs_triton
+def test_non_contiguous_and_mixed_dtypes():
+    base = rand((6, 96, 4), torch.float32, 0)
+    x = base.transpose(1, 2)  # [6, 4, 96], last dimension strided
+    other = rand((6, 4, 96), torch.float32, 1)[:, :, ::1]
+    weight = rand(96, torch.float32, 2)
+    assert not x.is_contiguous()
+    close(rms_norm.rms_norm_triton(x, weight, 1e-6), rms_norm.rms_norm_reference(x, weight, 1e-6),
+          torch.float32)
+    close(swiglu.swiglu_triton(x, other), swiglu.swiglu_reference(x, other), torch.float32)
+    rows = rand((8, 200), torch.float32, 3)[:, 50:146]  # row stride 200 > hidden 96
+    close(layer_norm.layer_norm_triton(rows, weight, weight, 1e-5),
+          layer_norm.layer_norm_reference(rows, weight, weight, 1e-5), torch.float32)
+    # bf16 activations with an fp32 weight: the reference promotes to fp32, so must the kernel
+    xb = x.to(torch.bfloat16)
+    close(rms_norm.rms_norm_triton(xb, weight, 1e-6), rms_norm.rms_norm_reference(xb, weight, 1e-6),
+          torch.bfloat16)
+
+
+@needs_triton
+def test_cuda_dispatch_registered_and_used():
+    for name in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu",
+                 "gelu_bias", "gated_residual"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"rbcompile::{name}", "CUDA"), name
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("rbcompile::head_slice_attention",
+                                                              "CUDA")
+    if DEVICE != "cuda":
+        return
+    for label, name, launcher, _, args in cases((3, 37, 576), torch.bfloat16):
+        op = getattr(OPS, name)
+        for actual, expected in zip(as_tuple(op(*args)), as_tuple(launcher(*args)), strict=True):
+            assert torch.equal(actual, expected), label
+
+
+def test_imports_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; import torch; import rbcompile.kernels as k;"
+            "from rbcompile.kernels import _triton;"
+            "assert not _triton.AVAILABLE;"
+            "assert not torch._C._dispatch_has_kernel_for_dispatch_key('rbcompile::rms_norm', 'CUDA');"
+            "x = torch.randn(2, 8); print(k.OPS.rms_norm(x, torch.ones(8), 1e-6).shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "torch.Size([2, 8])" in out.stdout
+
+
+class AllOps(torch.nn.Module):
+    """Every op once, chained the way a block would use them."""
+
+    def __init__(self, hidden=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(hidden))
+        self.b = torch.nn.Parameter(torch.randn(hidden))
+        self.heads, self.kv_heads = heads, kv_heads
+
+    def forward(self, x, residual, gate):
+        return self.run(OPS, x, residual, gate)
+
+    def reference(self, x, residual, gate):
+        return self.run(REFERENCES, x, residual, gate)
+
+    def run(self, ops, x, residual, gate):
+        h = ops.rms_norm.default(x, self.w, 1e-6)
+        h, residual = ops.add_rms_norm.default(h, residual, self.w, 1e-6)
+        h = ops.layer_norm.default(h, self.w, self.b, 1e-5)
+        h, residual = ops.add_layer_norm.default(h, residual, self.w, self.b, 1e-5)
+        h = ops.swiglu.default(h, residual)
+        h = ops.gelu_bias.default(h, self.b, "tanh")
+        h = ops.gated_residual.default(residual, h, gate)
+        batch, seq, hidden = h.shape
+        q = h.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2)
+        kv = h[..., : hidden // 2].reshape(batch, seq, self.kv_heads, -1).transpose(1, 2)
+        attn = ops.head_slice_attention.default(q, kv, kv, None, 2, 0.5, True)
+        return h, attn
+
+
+ALL_OP_NAMES = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu", "gelu_bias",
+                "gated_residual", "head_slice_attention"}
+
+
+def all_ops_inputs():
+    torch.manual_seed(0)
+    return torch.randn(3, 5, 32), torch.randn(3, 5, 32), torch.tensor([1.0, 0.0, 1.0])
+
+
+def test_ops_in_torch_export():
+    model = AllOps().eval()
+    inputs = all_ops_inputs()
+    program = torch.export.export(model, inputs)
+    targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
+    for name in ALL_OP_NAMES:
+        assert getattr(OPS, name).default in targets, name
+    for got, want in zip(program.module()(*inputs), model.reference(*inputs), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_ops_in_torch_compile_fullgraph():
+    model = AllOps().eval()
+    inputs = all_ops_inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for got, want in zip(compiled(*inputs), model.reference(*inputs), strict=True):
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fake_impl_shapes_and_dtypes(dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k = torch.randn(2, 8, 5, 16, dtype=dtype), torch.randn(2, 4, 5, 16, dtype=dtype)
+    eager = [(label, name, reference, tuple(a.cpu() if isinstance(a, torch.Tensor) else a
+                                            for a in args))
+             for label, name, _, reference, args in cases((3, 37, 96), dtype)]
+    eager.append(("head_slice_attention", "head_slice_attention",
+                  head_attention.head_slice_attention_reference, (q, k, k, None, 4, 0.25, True)))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        for label, name, reference, args in eager:
+            fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                              for a in args)
+            fake = as_tuple(getattr(OPS, name)(*fake_args))
+            assert all(isinstance(t, torch._subclasses.FakeTensor) for t in fake), label
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                real = as_tuple(reference(*args))
+            assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real], label
+
+
+@needs_triton
+def test_gated_residual_rows_take_or_skip():
+    h, f = rand((4, 7, 96), torch.float32, 0), rand((4, 7, 96), torch.float32, 1)
+    gate = torch.tensor([1.0, 0.0, 0.0, 1.0], device=DEVICE)
+    for fn in (gated_residual.gated_residual_triton, OPS.gated_residual):
+        out = fn(h, f, gate)
+        assert torch.equal(out[1:3], h[1:3])  # skipped rows: exactly h
+        torch.testing.assert_close(out[[0, 3]], h[[0, 3]] + f[[0, 3]], atol=0, rtol=0)
+    # a per-row gate of a 2-D input ([batch, hidden]) and the scalar gate at 0 and 1
+    h2, f2 = h[:, 0], f[:, 0]
+    torch.testing.assert_close(gated_residual.gated_residual_triton(h2, f2, gate),
+                               torch.where(gate[:, None] > 0, h2 + f2, h2), atol=0, rtol=0)
+    for value in (0.0, 1.0):
+        out = gated_residual.gated_residual_triton(h, f, torch.tensor(value))
+        assert torch.equal(out, h + f if value else h)
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+def storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
+def test_head_slice_attention(kv_heads, masked):
+    torch.manual_seed(0)
+    batch, q_heads, seq, dim, heads = 2, 8, 6, 16, 4
+    # HF layout: projections viewed [batch, seq, heads, dim] and transposed (not contiguous)
+    q = torch.randn(batch, seq, q_heads, dim).transpose(1, 2)
+    k = torch.randn(batch, seq, kv_heads, dim).transpose(1, 2)
+    v = torch.randn(batch, seq, kv_heads, dim).transpose(1, 2)
+    mask = torch.randn(batch, 1, seq, seq) if masked else None
+    kept = heads * kv_heads // q_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :heads].contiguous(), k[:, :kept].contiguous(), v[:, :kept].contiguous(),
+        attn_mask=mask, scale=0.3, is_causal=not masked, enable_gqa=kept != heads)
+    out = OPS.head_slice_attention(q, k, v, mask, heads, 0.3, not masked)
+    torch.testing.assert_close(out, expected)
+    assert out.shape == (batch, heads, seq, dim)
+
+    with RecordOps() as record:
+        head_attention.head_slice_attention_reference(q, k, v, mask, heads, 0.3, not masked)
+    names = [str(func) for func, _ in record.calls]
+    copies = [n for n in names if any(word in n for word in
+                                      ("clone", "copy", "contiguous", "repeat", "index", "cat"))]
+    assert not copies, names
+    attention = [args for func, args in record.calls if "scaled_dot_product" in str(func)]
+    assert len(attention) == 1, names
+    for given, original in zip(attention[0][:3], (q, k, v), strict=True):
+        assert storage(given) == storage(original)  # a view of the caller's tensor
+        assert given.data_ptr() == original.data_ptr()  # the first heads: same start
