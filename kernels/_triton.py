@@ -83,12 +83,12 @@ if triton is not None:
 
         Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even), which
         costs up to one bf16 ulp against PyTorch; the launchers set RTNE when interpreting."""
-        if RTNE and dtype == tl.bfloat16:
-            bits = y.to(tl.float32).to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            out = y.to(dtype)
+        out = y.to(dtype)
+        if RTNE:  # a constexpr: compiled kernels keep the plain cast
+            if dtype == tl.bfloat16:
+                bits = y.to(tl.float32).to(tl.uint32, bitcast=True)
+                bits = bits + 0x7FFF + ((bits >> 16) & 1)
+                out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return out
 else:
     cast = None
