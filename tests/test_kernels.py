@@ -274,3 +274,56 @@ def test_head_slice_attention(kv_heads, masked):
     for given, original in zip(attention[0][:3], (q, k, v), strict=True):
         assert storage(given) == storage(original)  # a view of the caller's tensor
         assert given.data_ptr() == original.data_ptr()  # the first heads: same start
+
+
+SM90_COMPILE = r'''
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rbcompile.kernels import gated_residual, gelu, layer_norm, rms_norm, swiglu
+
+def source(fn, types, consts):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in consts else types[n] for n in names}
+    return ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+
+for dt in ("bf16", "fp32"):
+    P, I, F = "*" + dt, "i32", "fp32"
+    tile = dict(BLOCK_ROWS=4, BLOCK_N=1024, RTNE=False)
+    norm = dict(x_ptr=P, r_ptr=P, w_ptr=P, b_ptr=P, out_ptr=P, total_ptr=P, n_rows=I, n_cols=I,
+                x_stride=I, r_stride=I, eps=F)
+    jobs = [(rms_norm._rms_norm_kernel, norm, dict(HAS_RESIDUAL=True, **tile)),
+            (layer_norm._layer_norm_kernel, norm, dict(HAS_RESIDUAL=True, **tile)),
+            (swiglu._swiglu_kernel, dict(gate_ptr=P, up_ptr=P, out_ptr=P, n_rows=I, n_cols=I,
+                                         gate_stride=I, up_stride=I), tile),
+            (gated_residual._gated_residual_kernel,
+             dict(h_ptr=P, f_ptr=P, gate_ptr=P, out_ptr=P, n_rows=I, n_cols=I, h_stride=I,
+                  f_stride=I, rows_per_gate=I), tile)]
+    for tanh in (False, True):
+        jobs.append((gelu._gelu_bias_kernel, dict(x_ptr=P, b_ptr=P, out_ptr=P, n_rows=I, n_cols=I,
+                                                  x_stride=I), dict(HAS_BIAS=True, TANH=tanh, **tile)))
+    for fn, types, consts in jobs:
+        try:
+            src = source(fn, types, consts)
+        except TypeError as error:  # another Triton version's ASTSource
+            print("API", error); sys.exit(0)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert kernel.asm["cubin"], fn
+        print("compiled", fn.__name__, dt)
+'''
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU run compiles the kernels itself")
+def test_kernels_compile_for_sm90(tmp_path):
+    """Without a GPU: the kernels as the GPU compiles them (no interpreter) build to sm_90 cubin."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
+           "TRITON_DEFAULT_FP_FUSION": "1"}
+    out = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if out.stdout.startswith("API"):
+        pytest.skip(f"Triton's ASTSource API differs: {out.stdout}")
+    assert out.stdout.count("compiled") == 12, out.stdout
