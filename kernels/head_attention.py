@@ -20,6 +20,8 @@ def head_slice_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    mask: Optional[torch.Tensor], heads: int, scale: float,
                                    is_causal: bool) -> torch.Tensor:
     kv_heads = heads * k.shape[1] // q.shape[1]
+    if mask is not None and mask.dim() == 4 and mask.shape[1] == q.shape[1] > 1:
+        mask = mask.narrow(1, 0, heads)  # a mask per head: keep the kept heads' rows
     return torch.nn.functional.scaled_dot_product_attention(
         q.narrow(1, 0, heads), k.narrow(1, 0, kv_heads), v.narrow(1, 0, kv_heads),
         attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=kv_heads != heads)

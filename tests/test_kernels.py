@@ -246,7 +246,7 @@ def storage(t):
 
 
 @pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
-@pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
+@pytest.mark.parametrize("masked", [False, True, "per-head"], ids=["causal", "mask", "head-mask"])
 def test_head_slice_attention(kv_heads, masked):
     torch.manual_seed(0)
     batch, q_heads, seq, dim, heads = 2, 8, 6, 16, 4
@@ -254,11 +254,12 @@ def test_head_slice_attention(kv_heads, masked):
     q = torch.randn(batch, seq, q_heads, dim).transpose(1, 2)
     k = torch.randn(batch, seq, kv_heads, dim).transpose(1, 2)
     v = torch.randn(batch, seq, kv_heads, dim).transpose(1, 2)
-    mask = torch.randn(batch, 1, seq, seq) if masked else None
+    mask = torch.randn(batch, q_heads if masked == "per-head" else 1, seq, seq) if masked else None
     kept = heads * kv_heads // q_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
         q[:, :heads].contiguous(), k[:, :kept].contiguous(), v[:, :kept].contiguous(),
-        attn_mask=mask, scale=0.3, is_causal=not masked, enable_gqa=kept != heads)
+        attn_mask=None if mask is None else mask[:, :heads], scale=0.3, is_causal=not masked,
+        enable_gqa=kept != heads)
     out = OPS.head_slice_attention(q, k, v, mask, heads, 0.3, not masked)
     torch.testing.assert_close(out, expected)
     assert out.shape == (batch, heads, seq, dim)
