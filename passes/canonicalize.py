@@ -2,8 +2,11 @@
 
 Requires: a graph from torch.export (`ExportedProgram.module()`).
 Ensures: no `_guards_fn` call, no `_assert_*` nodes, no eval-mode dropout, no aliasing or
-same-dtype/same-device casts, only the model inputs as placeholders. Values are unchanged: every
-removed node is an identity or a check (input shapes are validated by the runtime instead).
+same-dtype/same-device casts, only the model inputs as placeholders, and an `nn_module_stack` on
+every compute node that has a computed neighbour: a node that a decomposition created without one
+(aot_autograd's `add(x, eps)` of a 0-dim tensor, say) takes its inputs' module when they agree,
+else its users'. Values are unchanged: every removed node is an identity or a check (input shapes
+are validated by the runtime instead).
 """
 from __future__ import annotations
 
@@ -40,6 +43,30 @@ def _identity_input(node: Node) -> Node | None:
     return None
 
 
+def _stack_of(nodes) -> dict | None:
+    """The one nn_module_stack the compute nodes among `nodes` share (by innermost path), or None."""
+    stacks = {}
+    for node in nodes:
+        stack = node.meta.get("nn_module_stack") if node.op == "call_function" else None
+        if stack:
+            stacks[list(stack.values())[-1][0]] = stack
+    return next(iter(stacks.values())) if len(stacks) == 1 else None
+
+
+def _inherit_module_stacks(graph) -> int:
+    """Give compute nodes without an nn_module_stack their inputs' (or else their users') stack."""
+    inherited = 0
+    for order, neighbours in ((list(graph.nodes), lambda n: n.all_input_nodes),
+                              (list(reversed(graph.nodes)), lambda n: list(n.users))):
+        for node in order:
+            if node.op == "call_function" and not node.meta.get("nn_module_stack"):
+                stack = _stack_of(neighbours(node))
+                if stack is not None:
+                    node.meta["nn_module_stack"] = dict(stack)
+                    inherited += 1
+    return inherited
+
+
 @graph_pass(ensures=())
 def canonicalize(gm: GraphModule, ctx: PassContext) -> PassResult:
     removed: Counter[str] = Counter()
@@ -65,6 +92,7 @@ def canonicalize(gm: GraphModule, ctx: PassContext) -> PassResult:
             removed["unused inputs"] += 1
     before = len(graph.nodes)
     graph.eliminate_dead_code()
+    removed["module paths inherited"] = _inherit_module_stacks(graph)
     removed["dead nodes"] += before - len(graph.nodes)
     gm.recompile()
     total = sum(removed.values())

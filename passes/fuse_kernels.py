@@ -111,8 +111,8 @@ def _match_new_gelu(out: Node):
 
 
 class _Fuser:
-    def __init__(self, gm: GraphModule, ctx: PassContext):
-        self.gm, self.ctx, self.counts = gm, ctx, Counter()
+    def __init__(self, gm: GraphModule):
+        self.gm, self.counts = gm, Counter()
         self.renamed: dict[str, str] = {}
         self.erased: set[Node] = set()
 
@@ -208,7 +208,7 @@ class _Fuser:
             bias = x.args[2]
             with graph.inserting_before(x):
                 matmul = graph.call_function(aten.linear.default, x.args[:2])
-            matmul.meta.update({k: v for k, v in x.meta.items()})
+            matmul.meta.update(x.meta)
             self.replace("linear+gelu_bias", anchor, ops.gelu_bias.default,
                          (matmul, bias, approximate), [anchor], pattern + [x])
         else:
@@ -232,7 +232,7 @@ def _rename_region_values(regions: list[dict], renamed: dict[str, str]) -> None:
 def fuse_kernels(gm: GraphModule, ctx: PassContext) -> PassResult:
     if not ctx.kernels:
         return PassResult(False, "off (fused kernels not requested)")
-    fuser = _Fuser(gm, ctx)
+    fuser = _Fuser(gm)
     fuser.run()
     gm.graph.eliminate_dead_code()  # casts the fused ops now do themselves
     gm.graph.lint()

@@ -21,17 +21,15 @@ import contextvars
 import dataclasses
 import keyword
 import logging
-import operator
 import re
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule
 
-from .codegen import generate_source
-from .compiler import attach_weights, compile_regions, instantiate
+from .compiler import compile_regions, generate_module
 from .errors import CompileError
-from .ir import RESERVED_NAMES, build_ir
+from .ir import RESERVED_NAMES
 from .passes import PassContext, run_pipeline
 from .runtime.plans import check_budget, plan_for_budget, skipped_share
 
@@ -48,6 +46,8 @@ class BackendOptions:
     strict: bool = False         # raise on a graph rbcompile cannot compile (no fallback)
     kernels: bool | None = None  # fuse norms / activations into rbcompile's kernels (None: on CUDA)
     dump_pass: str | None = None  # write the graph before/after this pass (see passes/)
+    cuda_graphs: bool = False    # CUDA inputs: one CUDA graph per (plan, shapes); see cuda_graphs.py
+    max_graphs: int = 16         # bound on the captured graphs of one compiled graph
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
@@ -121,6 +121,7 @@ def reset() -> None:
 
 _TAKEN = RESERVED_NAMES | {"widths"}  # the generated forward's own names
 _WEIGHT = re.compile(r"_(parameters|buffers)_")
+_ATTRIBUTE = re.compile(r"_modules_|^l_self_")  # a module attribute dynamo passes as an input
 _PREFIX = re.compile(r"^l_(self_|args_0_|kwargs_)?")
 
 
@@ -156,9 +157,18 @@ def _hint(value):
     return value
 
 
+def _is_constant(name: str, value) -> bool:
+    """Weights (dynamo names with `_parameters_` / `_buffers_`), and the float attributes of
+    modules (an RMSNorm's eps, rotary scaling) that dynamo passes as 0-dim tensors under
+    `dynamic=True`: fixed for a model, so the graph holds them as constants like the weights."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return bool(_WEIGHT.search(name)) or (value.dim() == 0 and bool(_ATTRIBUTE.search(name)))
+
+
 def to_pipeline_graph(aten_gm: GraphModule, names: list[str], values: list):
-    """Weights (dynamo names with `_parameters_` / `_buffers_`) become get_attr constants, the
-    other placeholders named inputs. Returns (graph, input names, input positions, references)."""
+    """Constants (see `_is_constant`) become get_attr nodes, the other placeholders named
+    inputs. Returns (graph, input names, input positions, references)."""
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(names):
         raise CompileError(f"ATen graph has {len(placeholders)} inputs for {len(names)} "
@@ -166,7 +176,7 @@ def to_pipeline_graph(aten_gm: GraphModule, names: list[str], values: list):
     input_names, positions, references = [], [], {}
     keys: dict[int, str] = {}  # tensor id -> key: a tied weight is one constant
     for position, (node, name, value) in enumerate(zip(placeholders, names, values)):
-        if _WEIGHT.search(name) and isinstance(value, torch.Tensor):
+        if _is_constant(name, value):
             if id(value) not in keys:
                 keys[id(value)] = _weight_key(name)
                 _set_buffer(aten_gm, keys[id(value)], value.detach())
@@ -201,11 +211,18 @@ def _has_layers(gm: GraphModule) -> bool:
 
 
 class _Runner:
-    """The callable aot_autograd runs: picks gates for each call, runs the generated module."""
+    """The callable aot_autograd runs: picks gates for each call, runs the generated module
+    (with `cuda_graphs`, through the CUDA graph of that plan and those input shapes)."""
 
-    def __init__(self, module, positions, record: CompiledGraph, options: BackendOptions, plans):
+    def __init__(self, module, positions, record: CompiledGraph, options: BackendOptions, plans,
+                 capture=None):
         self.module, self.positions, self.record = module, positions, record
         self.options, self.plans = options, plans
+        self.graphs = None
+        if options.cuda_graphs:
+            from .cuda_graphs import GraphCache
+            module.region_cache.enabled = False
+            self.graphs = GraphCache(module, max_graphs=options.max_graphs, capture=capture)
 
     def _choose(self):
         chosen = _current.get() or Decision(self.options.budget)
@@ -224,8 +241,13 @@ class _Runner:
         self.record.calls += 1
         self.record.last_gates = gates
         self.record.last_skipped = skipped_share(self.record.regions, gates, widths, {})
+        inputs = [args[i] for i in self.positions]
         with torch.no_grad():
-            return list(self.module(*(args[i] for i in self.positions), gates, widths))
+            if self.graphs is not None and any(isinstance(v, torch.Tensor) and v.is_cuda
+                                               for v in inputs):
+                key = (tuple(gates), None if widths is None else tuple(widths))
+                return list(self.graphs(key, *inputs, gates, widths))
+            return list(self.module(*inputs, gates, widths))
 
 
 def _compile_aten(aten_gm: GraphModule, names, values, options: BackendOptions,
@@ -238,10 +260,9 @@ def _compile_aten(aten_gm: GraphModule, names, values, options: BackendOptions,
     run_pipeline(gm, ctx)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     outputs = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-    ir = build_ir(gm, ctx.regions, input_names, [f"output_{i}" for i in range(len(outputs))])
-    ir["title"] = f"torch.compile graph {record.index}"
-    module = instantiate(generate_source(ir), ir["title"])
-    attach_weights(module, {key: operator.attrgetter(key)(gm) for key in ir["parameters"].values()})
+    _, _, module = generate_module(gm, ctx.regions, input_names,
+                                   [f"output_{i}" for i in range(len(outputs))],
+                                   f"torch.compile graph {record.index}")
     if options.regions == "inductor":
         compile_regions(module)
     record.handled_by, record.regions, record.num_gates = "rbcompile", ctx.regions, module.NUM_GATES
@@ -288,6 +309,9 @@ def rbcompile_backend(gm: GraphModule, example_inputs, options: dict | None = No
         return aot_autograd(fw_compiler=compile_inference)(gm, example_inputs)
     except _Unsupported as exc:
         return _fail(gm, example_inputs, record, parsed, str(exc))
+    except BaseException:  # dynamo restarting its analysis (e.g. to specialise a float): no graph
+        _graphs.remove(record)
+        raise
 
 
 class _Unsupported(Exception):
