@@ -30,6 +30,11 @@ def _levels(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _placement_options(parser, device_help: str, dtype_help: str) -> None:
+    parser.add_argument("--device", help=device_help + ": cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help=dtype_help)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from .onnx_export import EXAMPLE_SHAPE
 
@@ -56,6 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action="store_true",
                    help="fuse norms and activations into rbcompile's kernels (Triton on CUDA; "
                    "default off: on CPU they run their PyTorch references)")
+    _placement_options(p, "trace and compile on this device (default cpu)",
+                       "precision the graph is traced and runs in: fp32 (default), bf16, fp16")
     p.add_argument("--dump-pass", help="write the graph before/after this pass to ./rbcompile-dump")
     p.add_argument("-v", "--verbose", action="store_true", help="log every pass")
 
@@ -71,6 +78,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--complexity-threshold", type=float,
                    help="inputs scoring below it take the light path, the rest the full path")
     p.add_argument("--max-new-tokens", type=int, default=20, help="decoders: tokens to generate")
+    _placement_options(p, "run on this device (default cpu)",
+                       "must be the dtype the artifact was compiled in (a check)")
     p.add_argument("--engine", choices=("torch", "onnxruntime"), default="torch",
                    help="torch (default): the generated PyTorch module; onnxruntime: its ONNX "
                    "export, fed the same gates as the graph input `gates`")
@@ -137,7 +146,8 @@ def _cmd_compile(args) -> None:
     model = rbcompile.compile(args.model, dump_pass=args.dump_pass, calib=args.calib,
                               calib_samples=args.calib_samples, calib_seq=args.calib_seq,
                               width_levels=args.width_levels, width_floor=args.width_floor,
-                              calib_head=args.calib_head, kernels=args.kernels)
+                              calib_head=args.calib_head, kernels=args.kernels,
+                              device=args.device, dtype=args.dtype)
     for entry in model.manifest["passes"]:
         say(f"  pass {entry['pass']}: {entry['summary']}")
     with step(f"writing artifact {args.output}"):
@@ -217,7 +227,7 @@ def _cmd_run(args) -> None:
         raise UserError("--onnx needs --engine onnxruntime")
     if any(not text.strip() for text in args.text):
         raise UserError("--text must not be empty")
-    model = rbcompile.load(args.artifact)
+    model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
     model.complexity_threshold = args.complexity_threshold
     with (nullcontext(model) if args.engine == "torch"
           else onnx_engine(model, args.onnx, args.budget)) as engine:
@@ -237,7 +247,7 @@ def _run_texts(model, engine, args) -> None:
                 if ids.shape[1] >= model.max_positions:
                     break
                 out = engine(ids, budget=args.budget)
-                next_id = out["logits"][0, -1].argmax()
+                next_id = out["logits"][0, -1].argmax().cpu()
                 ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
                 if next_id.item() == tokenizer.eos_token_id:
                     break
@@ -249,7 +259,7 @@ def _run_texts(model, engine, args) -> None:
     batch = tokenizer(args.text, return_tensors="pt", padding=True, truncation=True,
                       max_length=model.max_positions)
     out = engine(batch["input_ids"], batch["attention_mask"], budget=args.budget)
-    hidden = out["last_hidden_state"]
+    hidden = out["last_hidden_state"].float().cpu()
     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
     pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
     for i, text in enumerate(args.text):

@@ -17,7 +17,8 @@ from .passes import CALIBRATED_PIPELINE, PIPELINE, PassContext, run_pipeline
 from .passes.annotate_flops import REFERENCE_SEQ
 from .progress import say, step
 from .width import DEFAULT_LEVELS
-from .trace import INPUT_NAMES, example_inputs, trace
+from .placement import dtype_name, parse_device, parse_dtype
+from .trace import INPUT_NAMES, example_inputs, model_placement, trace
 
 
 def instantiate(source: str, tag: str, namespace: dict | None = None) -> torch.nn.Module:
@@ -46,6 +47,16 @@ def attach_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
 _REGION_METHOD = re.compile(r"r[0-9]+_[A-Za-z0-9_]*")  # names codegen.method_name gives
 
 
+def generate_module(gm, regions: list[dict], input_names, output_names, title: str):
+    """(IR, source, module with the graph's weights) for a graph the passes have run on."""
+    ir = build_ir(gm, regions, input_names, output_names)
+    ir["title"] = title
+    source = generate_source(ir)
+    module = instantiate(source, title)
+    attach_weights(module, {key: operator.attrgetter(key)(gm) for key in ir["parameters"].values()})
+    return ir, source, module
+
+
 def compile_regions(module: torch.nn.Module) -> None:
     """Compile every region method of a generated module with inductor (the guarded branches
     between them stay Python, so a new gate decision never recompiles)."""
@@ -66,7 +77,7 @@ def _state_sha256(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+        digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -162,38 +173,45 @@ def calibrate_model(compiled, gm, ctx, eager, source, samples: int | None = None
 def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                   calib_samples: int | None = None, calib_seq: int | None = None,
                   width_levels=DEFAULT_LEVELS, width_floor: float = 0.5, calib_head=None,
-                  kernels: bool = False):
+                  kernels: bool = False, device=None, dtype=None):
     """Compile a bundled model name, a checkpoint folder or a loaded transformers model;
     with `calib` (a text source), also calibrate importance and budget plans; with `kernels`,
-    fuse norms and activations into rbcompile's kernels (passes/fuse_kernels.py)."""
+    fuse norms and activations into rbcompile's kernels (passes/fuse_kernels.py).
+
+    `dtype` (fp32 / bf16 / fp16; default: the model's own, fp32 for checkpoints) is the
+    precision the graph is traced and runs in; `device` where it is traced and placed (a loaded
+    model is moved there, like `nn.Module.to`)."""
     from .compiled import CompiledModel
 
+    device, dtype = parse_device(device), parse_dtype(dtype)
     if isinstance(model_or_path, torch.nn.Module):
         model, checkpoint = model_or_path.eval(), None
+        if device is not None or dtype is not None:
+            model.to(device=device, dtype=dtype)
         source = {"name": type(model).__name__, "path": None, "sha256": _state_sha256(model)}
     else:
         checkpoint = resolve_checkpoint(model_or_path)
         with step(f"loading {model_or_path}"):
-            model = load_hf_model(checkpoint)
+            model = load_hf_model(checkpoint, dtype).to(device or "cpu")
         source = {"name": str(model_or_path), "path": str(checkpoint.resolve()),
                   "sha256": checkpoint_sha256(checkpoint)}
+    model_device, model_dtype = model_placement(model)
     arch = architecture_summary(model)
+    arch["dtype"] = dtype_name(model_dtype)
     with step(f"tracing {arch['class']} with torch.export (dynamic batch and sequence)"):
         traced = trace(model, arch["family"])
     arch["max_positions"] = traced.max_positions
     reference = example_inputs(model.config.vocab_size, batch=1,
-                               seq=min(REFERENCE_SEQ, traced.max_positions))
+                               seq=min(REFERENCE_SEQ, traced.max_positions), device=model_device)
     reference["attention_mask"].fill_(1)
     ctx = PassContext(family=arch["family"], config=model.config, reference_inputs=reference,
                       input_names=INPUT_NAMES, dump_pass=dump_pass, kernels=kernels)
     gm = traced.graph_module
     with step(f"running {len(PIPELINE)} passes"):
         run_pipeline(gm, ctx)
-    ir = build_ir(gm, ctx.regions, INPUT_NAMES, traced.output_names)
-    ir["title"] = f"{source['name']} ({arch['class']}, rbcompile {__version__})"
-    source_code = generate_source(ir)
-    module = instantiate(source_code, source["name"])
-    attach_weights(module, {key: operator.attrgetter(key)(gm) for key in ir["parameters"].values()})
+    ir, source_code, module = generate_module(
+        gm, ctx.regions, INPUT_NAMES, traced.output_names,
+        f"{source['name']} ({arch['class']}, rbcompile {__version__})")
     manifest = {"source": source, "architecture": arch, "passes": ctx.history,
                 "cache_candidates": ctx.cache_candidates}
     compiled = CompiledModel(module, ir, source_code, manifest,

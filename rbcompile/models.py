@@ -170,15 +170,16 @@ def checkpoint_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_hf_model(path: Path):
-    """Load the checkpoint as an fp32 eval-mode transformers model (no remote code)."""
+def load_hf_model(path: Path, dtype=None):
+    """Load the checkpoint as an eval-mode transformers model in `dtype` (default fp32; no
+    remote code)."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
     family = model_family(read_config(path))
     auto = AutoModelForCausalLM if family == "decoder" else AutoModel
     try:
-        model = auto.from_pretrained(path, dtype=torch.float32, trust_remote_code=False,
+        model = auto.from_pretrained(path, dtype=dtype or torch.float32, trust_remote_code=False,
                                      use_safetensors=True)
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,6 +1,7 @@
 """Capture a transformers model as an ATen-level torch.fx graph with torch.export."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +9,7 @@ import torch
 from .errors import CompileError
 
 INPUT_NAMES = ("input_ids", "attention_mask")
+logger = logging.getLogger("rbcompile.trace")
 
 
 @dataclass
@@ -25,29 +27,54 @@ def max_positions(config) -> int:
     return 4096
 
 
-def example_inputs(vocab_size: int, batch: int = 2, seq: int = 8) -> dict[str, torch.Tensor]:
+def example_inputs(vocab_size: int, batch: int = 2, seq: int = 8,
+                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Inputs used for tracing: the sizes are irrelevant, batch and sequence stay dynamic."""
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
     attention_mask = torch.ones(batch, seq, dtype=torch.long)
     attention_mask[-1, : seq // 4] = 0  # one padded row so the mask path is traced generally
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+
+
+def model_placement(model: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
+    """(device, float dtype) of a model's parameters."""
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    first = floats[0] if floats else next(model.parameters())
+    return first.device, first.dtype
+
+
+def _export(model, kwargs, dims: dict, family: str):
+    dynamic = {name: dict(dims) for name in INPUT_NAMES}
+    if family == "decoder":
+        kwargs = {**kwargs, "use_cache": False}
+        dynamic["use_cache"] = None
+    with torch.no_grad():
+        return torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
 
 
 def trace(model: torch.nn.Module, family: str) -> TracedModel:
-    """torch.export the model with dynamic batch and sequence, `use_cache=False`."""
+    """torch.export the model with dynamic batch and sequence, `use_cache=False`.
+
+    Named dimensions (batch 1..4096, seq 1..max positions) first; where an older torch finds a
+    narrower valid range than that (torch 2.11 on some decoders: "Constraints violated (seq)"),
+    `Dim.DYNAMIC` lets export refine the range instead of failing, and the runtime's own input
+    checks stay in force."""
     limit = max_positions(model.config)
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    seq = torch.export.Dim("seq", min=1, max=limit)
-    kwargs = example_inputs(model.config.vocab_size, seq=min(8, limit))
-    dynamic = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
-    if family == "decoder":
-        kwargs["use_cache"] = False
-        dynamic["use_cache"] = None
+    kwargs = example_inputs(model.config.vocab_size, seq=min(8, limit),
+                            device=model_placement(model)[0])
+    named = {0: torch.export.Dim("batch", min=1, max=4096), 1: torch.export.Dim("seq", min=1, max=limit)}
     try:
-        with torch.no_grad():
-            exported = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic,
-                                           strict=False)
+        try:
+            exported = _export(model, kwargs, named, family)
+        except Exception as exc:
+            if "Constraints violated" not in str(exc):
+                raise
+            logger.warning("torch.export: %s; retrying with Dim.DYNAMIC",
+                           " ".join(str(exc).split())[:300])
+            exported = _export(model, kwargs, {0: torch.export.Dim.DYNAMIC,
+                                               1: torch.export.Dim.DYNAMIC}, family)
+            logger.warning("torch.export ranges: %s", exported.range_constraints)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CompileError(f"torch.export failed for {type(model).__name__}: {first}") from None

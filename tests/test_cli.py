@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rbcompile.cli import main
 
@@ -123,7 +124,13 @@ def test_compile_bad_checkpoint(tiny_checkpoints, tmp_path, capsys, how, message
     (["run", "{art}", "--text", "  "], "--text must not be empty"),
     (["inspect", "{tmp}/missing"], "no such artifact folder"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
-])
+    (["run", "{art}", "--text", "a", "--dtype", "bf16"], "this model was compiled in float32; "
+     "to run in bfloat16 compile it with --dtype bf16"),
+    (["run", "{art}", "--text", "a", "--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["run", "{art}", "--text", "a", "--device", "tpu"], "unknown device 'tpu'"),
+] + ([] if torch.cuda.is_available() else [
+    (["run", "{art}", "--text", "a", "--device", "cuda"], "no CUDA device is available"),
+    (["compile", "x", "-o", "{tmp}/out", "--device", "cuda"], "no CUDA device is available")]))
 def test_bad_usage(llama_artifact, tmp_path, capsys, argv, message):
     argv = [a.format(tmp=tmp_path, art=llama_artifact) for a in argv]
     assert main(argv) == 2
