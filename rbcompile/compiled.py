@@ -15,6 +15,7 @@ from .compiler import attach_weights, compile_regions, instantiate
 from .errors import UserError
 from .ir import check_ir
 from .models import copy_tokenizer_files
+from .placement import check_same_dtype, parse_device, parse_dtype
 from .runtime.complexity import LengthRarityComplexity
 from .runtime.early_exit import RAMP_FILE, OffRamps
 from .runtime.plans import check_budget, plan_for_budget, skipped_share, width_shares
@@ -70,11 +71,75 @@ class CompiledModel:
         self.plans: list[dict] | None = manifest.get("plans")
         self.width_shares = width_shares(ir.get("variants", []))
         self.offramps: OffRamps | None = None  # encoders calibrated with a task head
+        self.dtype = getattr(torch, arch.get("dtype", "float32"))  # the precision it was traced in
+        self.cuda_graphs = None  # a GraphCache after use_cuda_graphs()
         self._tokenizer = None
+
+    # ---- placement ----------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    def to(self, device=None, dtype=None) -> "CompiledModel":
+        """Move the weights to `device` (views for width levels stay views). `dtype` may only
+        name the dtype the model was compiled in (see rbcompile/placement.py)."""
+        device = parse_device(device)
+        check_same_dtype(self.dtype, parse_dtype(dtype))
+        if device is not None and device != self.device:
+            attach_weights(self.module, {key: self.module.get_buffer(name).to(device)
+                                         for name, key in self.module.PARAMETERS.items()})
+            self.module.region_cache.clear()
+            if self.cuda_graphs is not None:
+                self.cuda_graphs.clear()
+        return self
+
+    def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
+                        batch_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), seq_multiple: int = 64,
+                        capture_after: int = 1, min_free_fraction: float = 0.05,
+                        capture=None) -> "CompiledModel":
+        """Run through CUDA graphs, one per (gates, widths, batch bucket, sequence bucket).
+
+        Inputs are padded up to the next batch bucket (rows of mask 1) and the next multiple of
+        `seq_multiple` tokens (mask 0 on the right), outputs cut back. The shape-keyed region
+        cache is off while graphs are on (the graph computes those values itself). `capture`
+        replaces the CUDA capture (tests: a fake one on CPU; see rbcompile/cuda_graphs.py)."""
+        if not enabled:
+            self.cuda_graphs = None
+            self.module.region_cache.enabled = True
+            return self
+        if self.device.type != "cuda" and capture is None:
+            raise UserError(f"CUDA graphs need the model on a CUDA device (it is on {self.device})")
+        from .cuda_graphs import GraphCache
+
+        self.module.region_cache.enabled = False
+        self._buckets = (tuple(sorted(batch_buckets)), seq_multiple)
+        self.cuda_graphs = GraphCache(self.module, max_graphs=max_graphs,
+                                      capture_after=capture_after,
+                                      min_free_fraction=min_free_fraction,
+                                      in_place=lambda tensor: False, capture=capture)
+        return self
+
+    def _run_graphs(self, input_ids, attention_mask, gates, widths):
+        """The module's outputs through the CUDA graph of this plan and bucket."""
+        batch_buckets, seq_multiple = self._buckets
+        batch, seq = input_ids.shape
+        padded_batch = next((b for b in batch_buckets if b >= batch), batch)
+        padded_seq = min(-(-seq // seq_multiple) * seq_multiple, self.max_positions)
+        ids = input_ids.new_zeros(padded_batch, padded_seq)
+        mask = attention_mask.new_zeros(padded_batch, padded_seq)
+        ids[:batch, :seq], mask[:batch, :seq] = input_ids, attention_mask
+        mask[batch:] = 1  # filler rows attend to something: no all-masked softmax
+        key = (tuple(gates), None if widths is None else tuple(widths))
+        outputs = self.cuda_graphs(key, ids, mask, gates, widths)
+        return [out[:batch, :seq] if out.dim() >= 2 and out.shape[:2] == (padded_batch, padded_seq)
+                else out[:batch] if out.dim() >= 1 and out.shape[0] == padded_batch else out
+                for out in outputs]
 
     # ---- running --------------------------------------------------------------------------
 
     def _check_inputs(self, input_ids, attention_mask):
+        """Validated `(input_ids, attention_mask)` as int64 on the model's device."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise UserError("input_ids must be a 2-D tensor [batch, sequence]")
         if input_ids.dtype not in (torch.int64, torch.int32):
@@ -85,13 +150,15 @@ class CompiledModel:
         if seq > self.max_positions:
             raise UserError(f"sequence of {seq} tokens exceeds the model's "
                             f"{self.max_positions} positions")
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size:
+        low, high = _min_max(input_ids)
+        if low < 0 or high >= self.vocab_size:
             raise UserError(f"token ids must be in [0, {self.vocab_size})")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.long)
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             raise UserError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
-        return input_ids.long(), attention_mask.long()
+        device = self.device
+        return input_ids.to(device, torch.long), attention_mask.to(device, torch.long)
 
     def choose_gates(self, input_ids, attention_mask, budget=None, gates=None, widths=None):
         """(gates, widths, path, complexity) for a batch."""
@@ -122,7 +189,10 @@ class CompiledModel:
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
         gates, widths, path, scores = self.choose_gates(input_ids, attention_mask, budget, gates,
                                                         widths)
-        outputs = self.module(input_ids, attention_mask, gates, widths)
+        if self.cuda_graphs is not None:
+            outputs = self._run_graphs(input_ids, attention_mask, gates, widths)
+        else:
+            outputs = self.module(input_ids, attention_mask, gates, widths)
         return CompiledOutput(dict(zip(self.output_names, outputs)), path=path, gates=gates,
                               widths=widths, skipped_flops=self.skipped_share(gates, widths),
                               complexity=scores)
@@ -217,13 +287,18 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def load(path) -> CompiledModel:
-    """Load an artifact. The module is regenerated from graph.json (checked against an op
-    allow-list) and must match the stored model.py; weights come from safetensors only."""
+def load(path, device=None, dtype=None) -> CompiledModel:
+    """Load an artifact onto `device` (default cpu). The module is regenerated from graph.json
+    (checked against an op allow-list) and must match the stored model.py; weights come from
+    safetensors only. `dtype`, if given, must be the dtype the artifact was compiled in."""
     from safetensors.torch import load_file
 
     path = Path(path)
+    device = parse_device(device) or torch.device("cpu")
+    requested_dtype = parse_dtype(dtype)
     manifest = read_manifest(path)
+    check_same_dtype(getattr(torch, manifest.get("architecture", {}).get("dtype", "float32")),
+                     requested_dtype)
     files = manifest.get("files", {})
     try:
         graph_bytes = (path / GRAPH).read_bytes()
@@ -245,7 +320,7 @@ def load(path) -> CompiledModel:
         raise UserError(f"{path / SOURCE}: does not match the code regenerated from {GRAPH} "
                         "(edited, or written by another rbcompile version)")
     try:
-        tensors = load_file(str(path / WEIGHTS))
+        tensors = load_file(str(path / WEIGHTS), device=str(device))
     except FileNotFoundError:
         raise UserError(f"{path}: missing {WEIGHTS}") from None
     except Exception as exc:
@@ -274,3 +349,9 @@ def _load_offramps(path: Path, spec: dict) -> OffRamps:
     except Exception as exc:
         raise UserError(f"{path / RAMP_FILE}: cannot load off-ramps "
                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
+
+def _min_max(tensor: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of an integer tensor with one device-to-host transfer."""
+    low, high = torch.aminmax(tensor)
+    return tuple(torch.stack([low, high]).tolist())

@@ -1,0 +1,172 @@
+"""CUDA graphs per plan: one captured graph per (gates, widths, input shapes), replayed.
+
+A gate decision then costs one graph replay: the Python `if`s of the generated forward, the
+per-region calls and every kernel launch happen once, at capture. `GraphCache` is what the
+artifact runtime (`CompiledModel.use_cuda_graphs`) and the torch.compile backend
+(`options={"cuda_graphs": True}`) share:
+
+- lazily captured: a key is captured the `capture_after`-th time it is seen (earlier calls run
+  eagerly, so a shape seen once, such as a growing dynamic KV cache, never costs a capture);
+- bounded: at most `max_graphs` graphs, least recently used evicted first;
+- memory-aware: when the device has less than `min_free_fraction` of its memory free, or a
+  capture fails for memory, the call runs eagerly and the key is not captured;
+- static inputs: each tensor input is copied into a buffer of the graph's own before a replay,
+  except inputs `in_place(tensor)` accepts (a static KV cache marked with
+  `torch._dynamo.mark_static_address`, buffers the caller owns), which the graph reads where they
+  are; their addresses are part of the key. Outputs are copied out, so a later replay never
+  overwrites what a caller holds.
+
+The capture itself is a function `(run, static_inputs) -> (replay, static_outputs)`:
+`cuda_capture` on a GPU, a fake one in the CPU tests.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger("rbcompile.cuda_graphs")
+_MAX_SEEN = 4096
+
+
+def cuda_capture(run: Callable, static_inputs: list, pool=None):
+    """Warm `run` up on a side stream, capture it into a CUDA graph, return (replay, outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # lazy inits, autotuning and allocator growth happen outside capture
+            run(*static_inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run(*static_inputs)
+    return graph.replay, outputs
+
+
+def cuda_free_fraction() -> float:
+    free, total = torch.cuda.mem_get_info()
+    return free / total
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    eager_calls: int = 0        # calls before capture, or without room to capture
+    evictions: int = 0
+    memory_fallbacks: int = 0   # captures skipped or failed for lack of memory
+    capture_failures: int = 0   # keys that cannot be captured (they run eagerly from then on)
+
+
+@dataclass
+class _Graph:
+    replay: Callable
+    inputs: list    # what the graph reads: its own buffers, in-place inputs, scalars
+    copied: list    # per input: True when a call's value is copied into the graph's buffer
+    outputs: object
+
+
+def is_static_address(value) -> bool:
+    """True for tensors marked with `torch._dynamo.mark_static_address` (HF's StaticCache)."""
+    return getattr(value, "_dynamo_static_input_type", None) is not None
+
+
+def _clone_outputs(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return outputs.clone()
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_clone_outputs(o) for o in outputs)
+    return outputs
+
+
+class GraphCache:
+    """Captured graphs of `run` by key (see the module docstring)."""
+
+    def __init__(self, run: Callable, *, max_graphs: int = 16, capture_after: int = 1,
+                 min_free_fraction: float = 0.05, in_place: Callable = is_static_address,
+                 capture: Callable | None = None,
+                 free_fraction: Callable[[], float] | None = None):
+        if max_graphs < 1 or capture_after < 1:
+            raise ValueError("max_graphs and capture_after must be >= 1")
+        self.run = run
+        self.max_graphs, self.capture_after = max_graphs, capture_after
+        self.min_free_fraction = min_free_fraction
+        self.in_place = in_place
+        self._capture = capture or self._cuda_capture
+        self._pool = None
+        # a custom capture (a fake one on CPU) has no device memory to watch unless told
+        self._free_fraction = free_fraction or (cuda_free_fraction if capture is None
+                                                else lambda: 1.0)
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._seen: dict[tuple, int] = {}      # keys not captured yet: times seen
+        self._uncapturable: set[tuple] = set()
+        self.stats = GraphStats()
+
+    def _cuda_capture(self, run: Callable, static_inputs: list):
+        if self._pool is None:  # the graphs share one memory pool: they never run together
+            self._pool = torch.cuda.graph_pool_handle()
+        return cuda_capture(run, static_inputs, self._pool)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def keys(self) -> list[tuple]:
+        return list(self._graphs)
+
+    def __call__(self, key: tuple, *inputs):
+        """`run(*inputs)`, through the graph captured for `key` (plus the inputs' shapes and
+        dtypes and the addresses of the in-place inputs) when there is one."""
+        tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
+        key = (key, tuple((tuple(v.shape), v.dtype) for v in tensors),
+               tuple(v.data_ptr() for v in tensors if self.in_place(v)))
+        graph = self._graphs.get(key)
+        if graph is None and key not in self._uncapturable:
+            if len(self._seen) >= _MAX_SEEN:  # shapes that never repeat: forget them
+                self._seen.clear()
+            self._seen[key] = self._seen.get(key, 0) + 1
+            if self._seen[key] >= self.capture_after:
+                graph = self._try_capture(key, inputs)
+        if graph is None:
+            self.stats.eager_calls += 1
+            return self.run(*inputs)
+        self._graphs.move_to_end(key)
+        for static, copied, value in zip(graph.inputs, graph.copied, inputs):
+            if copied:
+                static.copy_(value)
+        graph.replay()
+        self.stats.replays += 1
+        return _clone_outputs(graph.outputs)
+
+    def _try_capture(self, key: tuple, inputs) -> _Graph | None:
+        if self._free_fraction() < self.min_free_fraction:
+            self.stats.memory_fallbacks += 1
+            return None
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+            self.stats.evictions += 1
+        copied = [isinstance(v, torch.Tensor) and not self.in_place(v) for v in inputs]
+        static = [v.clone() if copy else v for v, copy in zip(inputs, copied)]
+        try:
+            replay, outputs = self._capture(self.run, static)
+        except torch.OutOfMemoryError:
+            self.stats.memory_fallbacks += 1
+            return None
+        except RuntimeError as exc:  # an op that cannot be captured (a host sync, say)
+            logger.warning("cannot capture a CUDA graph for %s: %s; running it eagerly", key[0],
+                           str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self._uncapturable.add(key)
+            self._seen.pop(key, None)
+            self.stats.capture_failures += 1
+            return None
+        graph = self._graphs[key] = _Graph(replay, static, copied, outputs)
+        del self._seen[key]
+        self.stats.captures += 1
+        return graph
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._seen.clear()
+        self._uncapturable.clear()

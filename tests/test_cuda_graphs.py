@@ -1,0 +1,134 @@
+"""CUDA graphs per plan, tested on CPU with a fake capture: what a key is, lazy capture, the
+bound and LRU eviction, memory fallback, in-place inputs, copies in and out, and the artifact's
+padding to buckets (outputs equal the unpadded run)."""
+import pytest
+import torch
+
+import rbcompile
+from conftest import TINY_VOCAB, make_tiny_model
+from rbcompile.cuda_graphs import GraphCache
+
+
+class FakeCapture:
+    """Captures by running once; a replay recomputes from the same static inputs into the same
+    static outputs (what a CUDA graph does)."""
+
+    def __init__(self):
+        self.captured = []
+
+    def __call__(self, run, inputs):
+        outputs = run(*inputs)
+        self.captured.append(inputs)
+
+        def replay():
+            fresh = run(*inputs)
+            for static, value in zip(outputs if isinstance(outputs, (list, tuple)) else [outputs],
+                                     fresh if isinstance(fresh, (list, tuple)) else [fresh]):
+                static.copy_(value)
+        return replay, outputs
+
+
+def _cache(run, **kwargs):
+    capture = FakeCapture()
+    return GraphCache(run, capture=capture, **kwargs), capture
+
+
+def test_key_shapes_lazy_capture_and_copies():
+    calls = []
+
+    def run(x, scale):
+        calls.append(scale)
+        return x * scale
+
+    cache, capture = _cache(run, capture_after=2)
+    x = torch.ones(3)
+    assert torch.equal(cache("plan-a", x, 2.0), 2 * x)          # first sight: eager
+    assert cache.stats.eager_calls == 1 and len(cache) == 0
+    out = cache("plan-a", x, 2.0)                                  # second: captured
+    assert cache.stats.captures == 1 and len(cache) == 1
+    y = torch.full((3,), 5.0)
+    again = cache("plan-a", y, 2.0)                                # replay reads the copied input
+    assert torch.equal(again, 2 * y) and cache.stats.replays == 2
+    assert torch.equal(out, 2 * x)                                 # earlier outputs untouched
+    assert capture.captured[0][0] is not x                         # the graph owns its input
+    cache("plan-a", torch.ones(4), 2.0)                            # new shape: a new key
+    assert cache.stats.captures == 1 and cache.stats.eager_calls == 2
+
+
+def test_bound_evicts_least_recently_used():
+    cache, _ = _cache(lambda x, gates: x + sum(gates), max_graphs=2)
+    x = torch.zeros(2)
+    for plan in [(1,), (1, 1), (1,), (1, 1, 1)]:
+        cache(plan, x, plan)
+    assert cache.stats.captures == 3 and cache.stats.evictions == 1
+    assert [key[0] for key in cache.keys()] == [(1,), (1, 1, 1)]   # (1, 1) was least recent
+
+
+def test_memory_short_runs_eagerly():
+    free = [0.5]
+    cache = GraphCache(lambda x: x + 1, capture=FakeCapture(), min_free_fraction=0.1,
+                       free_fraction=lambda: free[0])
+    free[0] = 0.01
+    assert torch.equal(cache("k", torch.zeros(2)), torch.ones(2))
+    assert cache.stats.memory_fallbacks == 1 and len(cache) == 0
+    free[0] = 0.5
+    cache("k", torch.zeros(2))
+    assert len(cache) == 1
+
+
+def test_uncapturable_key_runs_eagerly_from_then_on():
+    def capture(run, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    cache = GraphCache(lambda x: x * 3, capture=capture)
+    for _ in range(3):
+        assert torch.equal(cache("k", torch.ones(1)), torch.full((1,), 3.0))
+    assert cache.stats.capture_failures == 1 and cache.stats.eager_calls == 3
+
+
+def test_in_place_inputs_are_read_where_they_are_and_key_by_address():
+    kv, other = torch.zeros(4), torch.zeros(4)
+    cache, capture = _cache(lambda x, cache_: cache_ + x,
+                            in_place=lambda t: t is kv or t is other)
+    cache("step", torch.ones(4), kv)
+    assert capture.captured[0][1] is kv                  # not copied
+    kv += 10
+    assert torch.equal(cache("step", torch.ones(4), kv), torch.full((4,), 11.0))
+    cache("step", torch.ones(4), other)                  # another address: another graph
+    assert cache.stats.captures == 2 and capture.captured[1][1] is other
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError, match="max_graphs and capture_after must be >= 1"):
+        GraphCache(lambda: None, max_graphs=0, capture=FakeCapture())
+
+
+def test_artifact_pads_to_buckets_and_cuts_back():
+    model = make_tiny_model("bert")
+    compiled = rbcompile.compile(model)
+    compiled.use_cuda_graphs(capture=FakeCapture(), max_graphs=3, batch_buckets=(1, 4),
+                             seq_multiple=16)
+    assert compiled.module.region_cache.enabled is False
+    generator = torch.Generator().manual_seed(0)
+    for batch, seq in [(2, 10), (3, 13), (1, 5), (2, 10)]:
+        ids = torch.randint(3, TINY_VOCAB, (batch, seq), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[0, -2:] = 0
+        got = compiled(ids, mask)["last_hidden_state"]
+        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert got.shape == expected.shape
+        assert ((got - expected) * mask[..., None]).abs().max().item() <= 1e-5
+    keys = compiled.cuda_graphs.keys()
+    shapes = sorted({key[1][0][0] for key in keys})              # (padded batch, padded seq)
+    assert shapes == [(1, 16), (4, 16)] and compiled.cuda_graphs.stats.replays == 4
+    compiled(ids, mask, budget=0.3)                               # another plan: another graph
+    assert len(compiled.cuda_graphs) == 3
+    compiled.use_cuda_graphs(False)
+    assert compiled.cuda_graphs is None and compiled.module.region_cache.enabled
+
+
+def test_cuda_graphs_need_cuda():
+    compiled = rbcompile.compile(make_tiny_model("gpt2"))
+    if not torch.cuda.is_available():
+        with pytest.raises(rbcompile.UserError, match="need the model on a CUDA device"):
+            compiled.use_cuda_graphs()
