@@ -12,6 +12,11 @@ Contenders per kernel and shape:
 
 CUDA: triton.testing.do_bench(..., quantiles=[0.5, 0.2, 0.8]) (median, p20, p80 in ms, L2 flushed
 between runs). CPU: time.perf_counter over `--rounds` runs after warm-up, same quantiles.
+On CUDA each contender also gets an `<impl>+graph` row (unless `--no-graph`):
+do_bench_cudagraph, back-to-back calls replayed from one CUDA graph, so no host launch overhead
+and no L2 flush (inputs that fit in L2 stay there); its speedup is against `reference+graph`.
+Where do_bench's times differ but the graph times agree, the difference is launch overhead.
+Decode-like shapes show it best: `--shapes 8x576,8x4096`.
 `GB/s` = bytes the op must read and write (inputs + outputs, once) / median time: these kernels
 are memory-bound, so it is the figure to hold against the device's bandwidth. `speedup` is the
 reference's median / the contender's. Rows are appended to `--csv` with device, versions, date.
@@ -44,6 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--interpret", action="store_true",
                         help="CPU: also time the Triton launchers in Triton's interpreter")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
+    parser.add_argument("--no-graph", action="store_true", help="CUDA: skip the CUDA-graph timings")
     parser.add_argument("--rounds", type=int, default=20, help="CPU timing runs (default 20)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV, help="CSV to append to")
@@ -102,6 +108,12 @@ def quantiles_ms(fn, device, rounds):
     return statistics.median(samples), deciles[1], deciles[7]
 
 
+def graph_quantiles_ms(fn):
+    """(median, p20, p80) in ms per call of `fn` replayed from a CUDA graph."""
+    import triton.testing
+    return tuple(triton.testing.do_bench_cudagraph(fn, rep=10, quantiles=[0.5, 0.2, 0.8]))
+
+
 def device_name(device):
     import torch
     if device == "cuda":
@@ -152,14 +164,25 @@ def main(argv=None):
                 rounds = max(3, args.rounds // 5) if impl == "triton" and device == "cpu" else args.rounds
                 with torch.no_grad():
                     timings[impl] = quantiles_ms(lambda fn=fn: fn(*inputs), device, rounds)
+            if device == "cuda" and not args.no_graph:
+                for impl, fn in contenders.items():
+                    try:
+                        with torch.no_grad():
+                            timings[f"{impl}+graph"] = graph_quantiles_ms(lambda fn=fn: fn(*inputs))
+                    except RuntimeError as error:  # not capturable: no graph rows for this shape
+                        print(f"# {kernel} {tokens}x{hidden} {impl}: no CUDA graph "
+                              f"({str(error).splitlines()[0]})", flush=True)
+                        timings = {k: v for k, v in timings.items() if not k.endswith("+graph")}
+                        break
             for impl, (median, p20, p80) in timings.items():
+                base = timings["reference+graph" if impl.endswith("+graph") else "reference"][0]
                 rows.append({**stamp, "kernel": kernel, "tokens": tokens, "hidden": hidden,
                              "dtype": str(dtype).removeprefix("torch."), "impl": impl,
                              "median_ms": f"{median:.4f}", "p20_ms": f"{p20:.4f}",
                              "p80_ms": f"{p80:.4f}", "gb_per_s": f"{nbytes / median / 1e6:.1f}",
-                             "speedup_vs_reference": f"{timings['reference'][0] / median:.2f}"})
+                             "speedup_vs_reference": f"{base / median:.2f}"})
                 row = rows[-1]
-                print(f"{kernel:15s} {tokens:>5d}x{hidden:<5d} {impl:9s} {median:9.4f} ms "
+                print(f"{kernel:15s} {tokens:>5d}x{hidden:<5d} {impl:15s} {median:9.4f} ms "
                       f"[{p20:.4f}, {p80:.4f}]  {row['gb_per_s']:>7s} GB/s  "
                       f"x{row['speedup_vs_reference']}", flush=True)
 

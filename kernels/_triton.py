@@ -1,4 +1,4 @@
-"""What the Triton launchers share: the guarded import, rows of a tensor, block sizes.
+"""What the Triton launchers share: the guarded import, rows of a tensor, a tile's offsets.
 
 Triton is optional: where it is missing `triton` / `tl` are None, `AVAILABLE` is False, the
 kernel files define no `@triton.jit` functions and register no CUDA implementation (the ops then
@@ -8,7 +8,8 @@ when a kernel is defined.
 
 Layout: every kernel works on rows, `[rows, hidden]` after flattening the leading dimensions;
 a norm's program takes a block of `BLOCK_ROWS` rows x the whole (power-of-two padded) hidden
-dimension, so it reduces a row inside one program; elementwise kernels take 2-D tiles.
+dimension, so it reduces a row inside one program; elementwise kernels take 2-D tiles. Block
+sizes and warps: configs.py.
 """
 import os
 
@@ -22,9 +23,6 @@ except ImportError:  # the package works without Triton: references only
     tl = None
 
 AVAILABLE = triton is not None
-
-MAX_HIDDEN = 65536  # one program holds a whole row (Liger-Kernel's MAX_FUSED_SIZE)
-
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -45,35 +43,20 @@ def vector(v: torch.Tensor, n: int) -> torch.Tensor:
     return v.reshape(n).contiguous()
 
 
-def blocks(n_rows: int, n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_N, num_warps) for `n_rows` x `n_cols`.
-
-    Interpreter: large blocks (each program instance costs milliseconds whatever its size).
-    GPU: about 4096 elements per program, whole rows, more warps for wide rows.
-    """
-    if n_cols > MAX_HIDDEN:
-        raise ValueError(f"hidden size {n_cols} > {MAX_HIDDEN}: not supported by the Triton kernels")
-    block_n = triton.next_power_of_2(max(n_cols, 1))
-    budget = 1 << 17 if interpreting() else 4096
-    block_rows = max(1, min(budget // block_n, triton.next_power_of_2(max(n_rows, 1))))
-    elements = block_rows * block_n
-    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
-    return block_rows, block_n, num_warps
-
-
-def grid(n_rows: int, block_rows: int) -> tuple[int]:
-    return (triton.cdiv(n_rows, block_rows),)
-
-
-def tiles(n_rows: int, n_cols: int) -> tuple[int, int, int, tuple[int, int]]:
-    """(BLOCK_ROWS, BLOCK_N, num_warps, grid) for elementwise kernels: 2-D tiles of rows x
-    columns (columns tiled by 1024 on the GPU; whole rows, many of them, when interpreting)."""
-    budget = 1 << 17 if interpreting() else 4096
-    block_n = min(triton.next_power_of_2(max(n_cols, 1)), MAX_HIDDEN if interpreting() else 1024)
-    block_rows = max(1, min(budget // block_n, triton.next_power_of_2(max(n_rows, 1))))
-    num_warps = 4 if block_rows * block_n <= 2048 else 8
-    return block_rows, block_n, num_warps, (triton.cdiv(n_rows, block_rows),
-                                            triton.cdiv(n_cols, block_n))
+def norm_buffers(x: torch.Tensor, residual, weight_dtype=None):
+    """What a norm launcher (with or without the residual add) passes its kernel: rows of `x`
+    and of `residual` (broadcast to one shape; `x`'s rows when None), the output buffer (the
+    sum's dtype, promoted with `weight_dtype` when given) and the new-residual buffer (the
+    output itself when there is no residual). Returns (x2, r2, out, total, shape)."""
+    if residual is not None and residual.shape != x.shape:
+        x, residual = torch.broadcast_tensors(x, residual)
+    total_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out_dtype = total_dtype if weight_dtype is None else torch.promote_types(weight_dtype, total_dtype)
+    x2 = rows(x)
+    r2 = rows(residual) if residual is not None else x2
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    total = torch.empty(x2.shape, dtype=total_dtype, device=x.device) if residual is not None else out
+    return x2, r2, out, total, x.shape
 
 
 if triton is not None:
@@ -90,5 +73,15 @@ if triton is not None:
                 bits = bits + 0x7FFF + ((bits >> 16) & 1)
                 out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return out
+
+    @triton.jit
+    def tile_offsets(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """An elementwise kernel's tile (grid: configs.tiles): its rows, its columns and their
+        mask; a row's column tiles are neighbouring programs."""
+        pid = tl.program_id(0)
+        col_tiles = tl.cdiv(n_cols, BLOCK_N)
+        row = (pid // col_tiles) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        col = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return row, col, (row[:, None] < n_rows) & (col[None, :] < n_cols)
 else:
-    cast = None
+    cast = tile_offsets = None

@@ -9,7 +9,8 @@ gate of 1 returns `h + f` rounded as the reference's add.
 """
 import torch
 
-from ._triton import cast, interpreting, rows, tiles, tl, triton
+from ._triton import cast, interpreting, rows, tile_offsets, tl, triton
+from .configs import tiles
 from .registry import kernel_op
 
 
@@ -21,13 +22,11 @@ def gated_residual_reference(h: torch.Tensor, f: torch.Tensor, gate: torch.Tenso
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows", "rows_per_gate"])
     def _gated_residual_kernel(h_ptr, f_ptr, gate_ptr, out_ptr, n_rows, n_cols, h_stride,
                                f_stride, rows_per_gate, BLOCK_ROWS: tl.constexpr,
                                BLOCK_N: tl.constexpr, RTNE: tl.constexpr):
-        row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (row[:, None] < n_rows) & (col[None, :] < n_cols)
+        row, col, mask = tile_offsets(n_rows, n_cols, BLOCK_ROWS, BLOCK_N)
         row64 = row.to(tl.int64)[:, None]
         h = tl.load(h_ptr + row64 * h_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
         f = tl.load(f_ptr + row64 * f_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -49,7 +48,7 @@ def gated_residual_triton(h: torch.Tensor, f: torch.Tensor, gate: torch.Tensor) 
     out = torch.empty(h2.shape, dtype=torch.promote_types(h.dtype, f.dtype), device=h.device)
     if n_rows and n_cols:
         rows_per_gate = n_rows // gate.shape[0] if per_row else n_rows
-        block_rows, block_n, num_warps, launch = tiles(n_rows, n_cols)
+        block_rows, block_n, num_warps, launch = tiles("gated_residual", n_rows, n_cols)
         _gated_residual_kernel[launch](h2, f2, g, out, n_rows, n_cols, h2.stride(0), f2.stride(0),
                                        rows_per_gate, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
                                        RTNE=interpreting(), num_warps=num_warps)

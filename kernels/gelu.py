@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from ._triton import cast, interpreting, rows, tiles, tl, triton, vector
+from ._triton import cast, interpreting, rows, tile_offsets, tl, triton, vector
+from .configs import tiles
 from .registry import kernel_op
 
 
@@ -21,13 +22,11 @@ def gelu_bias_reference(x: torch.Tensor, bias: Optional[torch.Tensor],
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _gelu_bias_kernel(x_ptr, b_ptr, out_ptr, n_rows, n_cols, x_stride, HAS_BIAS: tl.constexpr,
                           TANH: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                           RTNE: tl.constexpr):
-        row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (row[:, None] < n_rows) & (col[None, :] < n_cols)
+        row, col, mask = tile_offsets(n_rows, n_cols, BLOCK_ROWS, BLOCK_N)
         row64 = row.to(tl.int64)[:, None]
         x = tl.load(x_ptr + row64 * x_stride + col[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -55,7 +54,7 @@ def gelu_bias_triton(x: torch.Tensor, bias: Optional[torch.Tensor],
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     n_rows = x2.shape[0]
     if n_rows and n_cols:
-        block_rows, block_n, num_warps, launch = tiles(n_rows, n_cols)
+        block_rows, block_n, num_warps, launch = tiles("gelu_bias", n_rows, n_cols)
         _gelu_bias_kernel[launch](x2, b, out, n_rows, n_cols, x2.stride(0), HAS_BIAS=bias is not None,
                                   TANH=approximate == "tanh", BLOCK_ROWS=block_rows, BLOCK_N=block_n,
                                   RTNE=interpreting(), num_warps=num_warps)

@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from ._triton import blocks, cast, grid, interpreting, rows, tl, triton, vector
+from ._triton import cast, interpreting, norm_buffers, tl, triton, vector
+from .configs import blocks
 from .registry import kernel_op
 
 
@@ -28,7 +29,7 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, total_ptr, n_rows, n_cols, x_stride,
                          r_stride, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                          BLOCK_N: tl.constexpr, RTNE: tl.constexpr):
@@ -52,24 +53,17 @@ if triton is not None:
 
 def _rms_norm_launch(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    if residual is not None and residual.shape != x.shape:
-        x, residual = torch.broadcast_tensors(x, residual)
-    total_dtype = x.dtype if residual is None else torch.promote_types(residual.dtype, x.dtype)
-    out_dtype = torch.promote_types(weight.dtype, total_dtype)
-    n_cols = x.shape[-1]
-    x2 = rows(x)
-    r2 = rows(residual) if residual is not None else x2
+    x2, r2, out, total, shape = norm_buffers(x, residual, weight.dtype)
+    n_rows, n_cols = x2.shape
     w = vector(weight, n_cols)
-    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    total = torch.empty(x2.shape, dtype=total_dtype, device=x.device) if residual is not None else out
-    n_rows = x2.shape[0]
     if n_rows and n_cols:
-        block_rows, block_n, num_warps = blocks(n_rows, n_cols)
-        _rms_norm_kernel[grid(n_rows, block_rows)](
+        kernel = "rms_norm" if residual is None else "add_rms_norm"
+        block_rows, block_n, num_warps, launch = blocks(kernel, n_rows, n_cols)
+        _rms_norm_kernel[launch](
             x2, r2, w, out, total, n_rows, n_cols, x2.stride(0), r2.stride(0), eps,
             HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_N=block_n,
             RTNE=interpreting(), num_warps=num_warps)
-    return out.view(x.shape), (total.view(x.shape) if residual is not None else None)
+    return out.view(shape), (total.view(shape) if residual is not None else None)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

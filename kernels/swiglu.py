@@ -8,7 +8,8 @@ apart in bf16 / fp16).
 """
 import torch
 
-from ._triton import cast, interpreting, rows, tiles, tl, triton
+from ._triton import cast, interpreting, rows, tile_offsets, tl, triton
+from .configs import tiles
 from .registry import kernel_op
 
 
@@ -17,12 +18,10 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, n_rows, n_cols, gate_stride, up_stride,
                        BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, RTNE: tl.constexpr):
-        row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (row[:, None] < n_rows) & (col[None, :] < n_cols)
+        row, col, mask = tile_offsets(n_rows, n_cols, BLOCK_ROWS, BLOCK_N)
         row64 = row.to(tl.int64)[:, None]
         g = tl.load(gate_ptr + row64 * gate_stride + col[None, :], mask=mask, other=0.0)
         u = tl.load(up_ptr + row64 * up_stride + col[None, :], mask=mask, other=0.0)
@@ -40,7 +39,7 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g2.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     n_rows = g2.shape[0]
     if n_rows and n_cols:
-        block_rows, block_n, num_warps, launch = tiles(n_rows, n_cols)
+        block_rows, block_n, num_warps, launch = tiles("swiglu", n_rows, n_cols)
         _swiglu_kernel[launch](g2, u2, out, n_rows, n_cols, g2.stride(0), u2.stride(0),
                                BLOCK_ROWS=block_rows, BLOCK_N=block_n, RTNE=interpreting(),
                                num_warps=num_warps)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rbcompile.kernels import OPS, REFERENCES, _triton, gated_residual, gelu, head_attention
-from rbcompile.kernels import layer_norm, rms_norm, swiglu
+from rbcompile.kernels import OPS, REFERENCES, _triton, configs, gated_residual, gelu
+from rbcompile.kernels import head_attention, layer_norm, rms_norm, swiglu
 
 needs_triton = pytest.mark.skipif(not _triton.AVAILABLE, reason="triton not installed")
 if _triton.AVAILABLE and not _triton.interpreting() and not torch.cuda.is_available():
@@ -85,6 +85,57 @@ def test_triton_matches_reference(shape, dtype):
                 close(actual, expected, dtype)
             except AssertionError as error:
                 raise AssertionError(f"{name}: {error}") from None
+
+
+TABLE_WIDTHS = [384, 576, 768, 2048, 4096, 1000]  # the table's, and one the heuristic serves
+
+
+@needs_triton
+@pytest.mark.parametrize("width", TABLE_WIDTHS)
+def test_gpu_configs_match_reference(width, monkeypatch):
+    """Every kernel with the launch config the GPU takes at `width` (table or heuristic), run
+    here in the interpreter: column tiles that divide the width, rows per program. 9 rows:
+    several programs, a partial last one; MIN_PROGRAMS=1 keeps the configured rows."""
+    monkeypatch.setattr(configs, "MIN_PROGRAMS", 1)
+    for label, name, launcher, reference, args in cases((9, width), torch.bfloat16):
+        with configs.override(configs.config(name, width)):
+            actual = launcher(*args)
+        for got, want in zip(as_tuple(actual), as_tuple(reference(*args)), strict=True):
+            try:
+                close(got, want, torch.bfloat16)
+            except AssertionError as error:
+                raise AssertionError(f"{label} {configs.config(name, width)}: {error}") from None
+
+
+def is_pow2(n):
+    return n >= 1 and n & (n - 1) == 0
+
+
+def test_config_lookup(monkeypatch):
+    """The table covers every kernel at the tuned widths; the GPU lookups give power-of-two
+    blocks that cover odd widths and row counts, column tiles that divide the tuned widths."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # lookups only: the GPU's configs
+    for kernel in configs.NORMS + configs.ELEMENTWISE:
+        assert set(configs.TABLE[kernel]) >= {"384", "576", "768", "2048", "4096"}, kernel
+        for config in configs.TABLE[kernel].values():
+            keys = {"rows", "warps"} if kernel in configs.NORMS else {"block", "warps"}
+            assert set(config) == keys and all(map(is_pow2, config.values())), (kernel, config)
+    for width in (1, 3, 37, 123, 576, 1000, 4095, 5000, 65536):
+        for n_rows in (1, 7, 8, 4096, 100_003):
+            for kernel in configs.NORMS:
+                block_rows, block_n, warps, grid = configs.blocks(kernel, n_rows, width)
+                assert all(map(is_pow2, (block_rows, block_n, warps))), (kernel, width, n_rows)
+                assert block_n >= width and grid[0] * block_rows >= n_rows and warps <= 32
+            for kernel in configs.ELEMENTWISE:
+                block_rows, block_n, warps, grid = configs.tiles(kernel, n_rows, width)
+                assert all(map(is_pow2, (block_rows, block_n, warps))), (kernel, width, n_rows)
+                assert block_n <= configs.MAX_TILE_N and warps <= 32
+                assert grid[0] == -(-n_rows // block_rows) * -(-width // block_n)
+    assert configs.tiles("swiglu", 4096, 576)[1] == 64  # no padded lanes at the bundled widths
+    assert configs.tiles("swiglu", 4096, 384)[1] == 128
+    assert configs.blocks("rms_norm", 8, 576)[0] == 1  # decode: one row per program
+    with pytest.raises(ValueError):
+        configs.blocks("rms_norm", 1, configs.MAX_HIDDEN + 1)
 
 
 @needs_triton
