@@ -1,41 +1,69 @@
 #!/usr/bin/env bash
-# The kernels' GPU check, one script:  benchmarks/gpu_check.sh OUT_DIR
+# The one GPU check:  benchmarks/gpu_check.sh OUT_DIR        (about 7 minutes on one H200)
 #
-# On a CUDA machine: runs tests/test_kernels.py with the compiled Triton kernels on the GPU
-# (TRITON_INTERPRET=0: the launchers, and the ops' CUDA dispatch, on CUDA tensors), then
-# benchmarks/bench_kernels.py (do_bench: reference, torch.compile'd reference, Triton). Writes
-# OUT_DIR/{env.txt,test_kernels.log,bench_kernels.log,bench_kernels.csv}; about 2-4 minutes,
-# each step under a timeout (130 s + 150 s). Exits non-zero with one line when there is no CUDA
-# device, when the interpreter is missing, or when either step fails.
-# Python: ${PYTHON:-.venv/bin/python}, from the repository root.
+# 1. native kernel tests (tests/test_kernels.py with TRITON_INTERPRET=0, on CUDA tensors);
+# 2. kernel benchmark (benchmarks/bench_kernels.py: reference, torch.compile'd reference, Triton);
+# 3. end-to-end benchmark (benchmarks/bench_gpu.py: BERT-base fp16, SmolLM2-sized Llama bf16
+#    prefill and decode, 1B-sized Llama bf16 prefill; eager, inductor, rbcompile; parity).
+# STEPS picks steps (default "test_kernels bench_kernels bench_gpu"; "tune_kernels" sweeps the
+# kernels' launch configs with benchmarks/tune_kernels.py); DEADLINE_S bounds bench_gpu.
+# Each step runs under a timeout, the end-to-end one also under its own deadline. Writes at most
+# 8 files into OUT_DIR (env.txt, the logs, bench_kernels.csv, bench_gpu.json, summary.txt) and
+# prints a summary. Exits non-zero with one line when there is no CUDA device or a step fails.
+# Python: ${PYTHON:-python3} (the machine's own: nothing is installed there; rbcompile is laid
+# out as installed in a temporary folder and put on PYTHONPATH unless it imports already).
 set -uo pipefail
 OUT=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+PY=${PYTHON:-python3}
 mkdir -p "$OUT" || { echo "gpu_check: cannot create $OUT" >&2; exit 2; }
-
 if ! command -v "$PY" >/dev/null 2>&1; then
     echo "gpu_check: no python at $PY (set PYTHON=...)" >&2; exit 2
 fi
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo "gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing run" >&2; exit 3
+    echo "gpu_check: no CUDA device visible to $PY (no torch, or torch.cuda.is_available() is False); nothing run" >&2; exit 3
+fi
+export TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+
+# rbcompile as installed (passes/, kernels/, runtime/ under rbcompile/, the dynamo entry point)
+if ! "$PY" -c 'import rbcompile.kernels' 2>/dev/null; then
+    SITE=$(mktemp -d)
+    cp -r rbcompile "$SITE/rbcompile"
+    for sub in passes kernels runtime; do cp -r "$sub" "$SITE/rbcompile/$sub"; done
+    mkdir -p "$SITE/rbcompile-0.1.0.dist-info"
+    printf 'Metadata-Version: 2.1\nName: rbcompile\nVersion: 0.1.0\n' > "$SITE/rbcompile-0.1.0.dist-info/METADATA"
+    printf '[torch_dynamo_backends]\nrbcompile = rbcompile.backend:rbcompile_backend\n' \
+        > "$SITE/rbcompile-0.1.0.dist-info/entry_points.txt"
+    # PYTHONSAFEPATH: the checkout's own rbcompile/ (not laid out as installed) must not shadow it
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1
 fi
 
-export TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 {
     date -Is
     git rev-parse HEAD 2>/dev/null
-    "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name())'
-    nvidia-smi 2>&1 | head -20
+    "$PY" -c 'import torch, triton, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
 } > "$OUT/env.txt" 2>&1
 
-timeout -k 5 130 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py --durations=10 \
-    > "$OUT/test_kernels.log" 2>&1
-test_rc=$?
-timeout -k 5 150 "$PY" benchmarks/bench_kernels.py --csv "$OUT/bench_kernels.csv" \
-    > "$OUT/bench_kernels.log" 2>&1
-bench_rc=$?
-
-echo "gpu_check: tests rc=$test_rc ($(tail -n 1 "$OUT/test_kernels.log")); bench rc=$bench_rc;" \
-     "logs in $OUT" | tee "$OUT/summary.txt"
-[ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+step() {  # step NAME TIMEOUT_S COMMAND... : run, log to OUT/NAME.log, remember the exit code
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - start)) s ($(tail -n 1 "$OUT/$name.log"))" | tee -a "$OUT/summary.txt"
+    return $rc
+}
+: > "$OUT/summary.txt"
+rc=0
+for name in ${STEPS:-test_kernels bench_kernels bench_gpu}; do
+    case $name in
+        tune_kernels) step tune_kernels 150 "$PY" benchmarks/tune_kernels.py --json "$OUT/tune_kernels.json" ;;
+        test_kernels) step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -x ;;
+        bench_kernels) step bench_kernels 120 "$PY" benchmarks/bench_kernels.py --csv "$OUT/bench_kernels.csv" ;;
+        bench_gpu) step bench_gpu 330 "$PY" benchmarks/bench_gpu.py --out "$OUT" --deadline-s "${DEADLINE_S:-240}" ;;
+        *) echo "gpu_check: unknown step $name" >&2; false ;;
+    esac || rc=1
+done
+grep -A 40 '^bench_gpu ' "$OUT/bench_gpu.log" 2>/dev/null
+echo "gpu_check: $([ $rc -eq 0 ] && echo ok || echo FAILED) in $SECONDS s; logs in $OUT"
+exit $rc

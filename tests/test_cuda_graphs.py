@@ -1,6 +1,11 @@
 """CUDA graphs per plan, tested on CPU with a fake capture: what a key is, lazy capture, the
 bound and LRU eviction, memory fallback, in-place inputs, copies in and out, and the artifact's
 padding to buckets (outputs equal the unpadded run)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -132,3 +137,19 @@ def test_cuda_graphs_need_cuda():
     if not torch.cuda.is_available():
         with pytest.raises(rbcompile.UserError, match="need the model on a CUDA device"):
             compiled.use_cuda_graphs()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+@pytest.mark.parametrize("command", [
+    ["bash", "benchmarks/gpu_check.sh", "{tmp}/out"],
+    [sys.executable, "benchmarks/bench_gpu.py", "--out", "{tmp}/out"],
+], ids=["gpu_check", "bench_gpu"])
+def test_gpu_scripts_refuse_without_cuda_in_one_line(tmp_path, command):
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([part.format(tmp=tmp_path) for part in command], cwd=root,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 3
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0], result.stderr
+    assert not (tmp_path / "out" / "bench_gpu.json").exists()

@@ -1,0 +1,301 @@
+"""End-to-end on a GPU: eager vs inductor vs rbcompile, full path and budgets, with parity.
+
+    python benchmarks/bench_gpu.py --out OUT_DIR [--cases bert,smol-prefill,smol-decode,llama1b]
+                                   [--deadline-s 300] [--smoke]
+
+Cases (random weights at real sizes: no checkpoint can be fetched on the GPU machine, so quality
+at a budget is reported as agreement with the full path, not as task quality):
+- `bert`: BERT-base fp16, 32 x 128 (last_hidden_state);
+- `smol-prefill`: a SmolLM2-135M-sized Llama in bf16, prefill 8 x 512 (logits);
+- `smol-decode`: the same model, `generate` of 128 greedy tokens after a 32-token prompt with a
+  static KV cache (tokens/s);
+- `llama1b`: a Llama-3.2-1B-sized model in bf16, prefill 4 x 1024 (logits).
+
+Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`), `inductor-ro` (mode reduce-overhead: inductor + CUDA graphs),
+`rbc-graphs` (the rbcompile artifact module, eager regions, one CUDA graph per plan and bucket),
+`rbc-ind-graphs` (the same with inductor-compiled regions), and for decoding `rbc-backend`
+(torch.compile(backend="rbcompile", options={"cuda_graphs": True})). Times are medians of CUDA-
+event-timed runs after warm-up; every contender's full path is checked against eager in the same
+dtype (rbcompile/placement.py tolerances). Contenders that would start after `--deadline-s` are
+skipped and listed. `--smoke` runs tiny configs (on CPU too) to test the script itself.
+Writes OUT_DIR/bench_gpu.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CASES = ("bert", "smol-decode", "llama1b", "smol-prefill")  # the order they run in
+BUDGETS = (0.25, 0.5)
+
+
+def configs(smoke: bool) -> dict:
+    from transformers import BertConfig, LlamaConfig
+
+    if smoke:
+        bert = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=128, max_position_embeddings=256)
+        small = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=256)
+        return {"bert": (bert, torch.float32, 2, 16), "smol-prefill": (small, torch.float32, 2, 32),
+                "smol-decode": (small, torch.float32, 8, 8), "llama1b": (small, torch.float32, 1, 64)}
+    smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                       max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True)
+    llama1b = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                          max_position_embeddings=131072, rope_theta=500000.0,
+                          tie_word_embeddings=True, head_dim=64)
+    return {"bert": (BertConfig(), torch.float16, 32, 128),
+            "smol-prefill": (smol, torch.bfloat16, 8, 512),
+            "smol-decode": (smol, torch.bfloat16, 32, 128),
+            "llama1b": (llama1b, torch.bfloat16, 4, 1024)}
+
+
+def make_model(config, dtype, device):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    auto = AutoModel if config.model_type == "bert" else AutoModelForCausalLM
+    return auto.from_config(config, dtype=dtype).to(device).eval()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device, runs: int, warmup: int = 3) -> float:
+    """Median wall time of `fn()` in ms (CUDA-synchronised around each run)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def first_tensor(out):
+    if isinstance(out, dict):
+        return out.get("logits", out.get("last_hidden_state"))
+    if hasattr(out, "logits"):
+        return out.logits
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    return out[0]
+
+
+class Case:
+    """Runs contenders of one case, recording rows; skips those past the deadline."""
+
+    def __init__(self, name, deadline, device, runs):
+        self.name, self.deadline, self.device, self.runs = name, deadline, device, runs
+        self.rows, self.skipped, self.skip = [], [], set()
+
+    def contender(self, label, setup, budgets=(None,)):
+        """`setup()` -> (run(budget) -> output tensor or None, compile seconds). One row per
+        budget: median ms, and parity with eager (full path) or agreement (budgets)."""
+        if label in self.skip or time.monotonic() > self.deadline:
+            self.skipped.append(label)
+            print(f"  {self.name}/{label}: skipped (deadline)", flush=True)
+            return
+        torch._dynamo.reset()
+        start = time.monotonic()
+        try:
+            run, reference = setup()
+            first = run(None)
+            sync(self.device)
+            compile_s = time.monotonic() - start
+            for budget in budgets:
+                out = run(budget) if budget is not None else first
+                ms = time_ms(lambda: run(budget), self.device, self.runs)
+                self.rows.append(self.row(label, budget, ms, compile_s, out, reference))
+                print(f"  {self.name}/{label} budget {budget or 0:g}: {ms:.3f} ms "
+                      f"(setup {compile_s:.0f} s) {self.rows[-1]['check']}", flush=True)
+        except Exception as exc:  # one contender failing must not lose the others' numbers
+            message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"  {self.name}/{label}: FAILED {message}", flush=True)
+            self.rows.append({"case": self.name, "contender": label, "error": message[:300]})
+
+    def row(self, label, budget, ms, compile_s, out, reference):
+        from rbcompile.placement import within_tolerance
+
+        row = {"case": self.name, "contender": label, "budget": budget or 0.0, "ms": ms,
+               "setup_s": compile_s}
+        if reference is None or out is None:
+            row["check"] = ""
+        elif out.dtype in (torch.int64, torch.int32):  # generated tokens
+            row["token_match"] = float((out == reference).float().mean())
+            row["check"] = f"tokens equal to eager {row['token_match']:.1%}"
+        elif budget:
+            agree = (out.argmax(-1) == reference.argmax(-1)).float().mean().item()
+            row["top1_agreement"] = agree
+            row["check"] = f"top-1 agreement with eager {agree:.1%}"
+        else:
+            ok, diff = within_tolerance(out, reference)
+            row.update(parity=ok, max_abs_diff=diff)
+            row["check"] = f"parity {'ok' if ok else 'FAIL'} (max abs diff {diff:.2g})"
+        return row
+
+
+def prefill_case(case: Case, model, batch, seq, args):
+    import rbcompile
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(case.device)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        reference = first_tensor(model(input_ids=ids, attention_mask=mask))
+
+    def hf(compiled, graphs=False):
+        def run(budget):
+            with torch.no_grad():
+                if graphs:  # cudagraph trees reuse output memory: copy out, as rbcompile does
+                    torch.compiler.cudagraph_mark_step_begin()
+                    return first_tensor(compiled(input_ids=ids, attention_mask=mask)).clone()
+                return first_tensor(compiled(input_ids=ids, attention_mask=mask))
+        return run, reference
+
+    case.contender("eager", lambda: hf(model))
+    case.contender("inductor", lambda: hf(torch.compile(model, mode=args.inductor_mode)))
+    if case.device.type == "cuda":
+        case.contender("inductor-ro", lambda: hf(torch.compile(model, mode="reduce-overhead"), True))
+
+    def artifact(regions):
+        def setup():
+            compiled = rbcompile.compile(model)
+            if regions:
+                compiled.compile_regions()
+            if case.device.type == "cuda":
+                compiled.use_cuda_graphs()
+            name = compiled.output_names[0]
+            return (lambda budget: compiled(ids, mask, budget=budget)[name]), reference
+        return setup
+
+    label = "rbc-graphs" if case.device.type == "cuda" else "rbc"
+    case.contender(label, artifact(False), (None, *BUDGETS))
+    case.contender(label.replace("rbc", "rbc-ind"), artifact(True), (None, *BUDGETS))
+
+
+def decode_case(case: Case, model, prompt, new, args):
+    from rbcompile import backend
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=generator).to(case.device)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    forward = model.forward
+    settings = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    cache_implementation="static")
+
+    def generate(budget=None):
+        with torch.no_grad(), backend.decision(budget=budget):
+            return model.generate(ids, attention_mask=torch.ones_like(ids), **settings)[:, prompt:]
+
+    reference = generate()
+
+    def patched(compiled_forward):
+        def setup():
+            model.forward = compiled_forward
+            return generate, reference
+        return setup
+
+    case.contender("eager", patched(forward))
+    if case.device.type == "cuda":
+        case.contender("inductor-ro", patched(torch.compile(forward, mode="reduce-overhead")))
+    options = {"cuda_graphs": case.device.type == "cuda", "regions": "eager"}
+    backend.reset()
+    case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile",
+                                                        options=options)), (None, *BUDGETS))
+    handled = [g.handled_by for g in backend.compiled_graphs()]
+    for row in case.rows:
+        if row["contender"] == "rbc-backend" and "check" in row:
+            row["graphs"] = {by: handled.count(by) for by in set(handled)}
+            row["check"] += f"; graphs {row['graphs']}"
+    model.forward = forward
+    for row in case.rows:
+        if "ms" in row:
+            row["tokens_per_s"] = new / (row["ms"] / 1e3)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for bench_gpu.json")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    parser.add_argument("--deadline-s", type=float, default=300.0,
+                        help="start no contender after this many seconds (default 300)")
+    parser.add_argument("--inductor-mode", default="default",
+                        help="mode of the `inductor` contender (max-autotune-no-cudagraphs "
+                        "compiles BERT-base in ~50 s and SmolLM2-sized prefill in ~140 s on an "
+                        "H200: too long for a short lease)")
+    parser.add_argument("--runs", type=int, default=20, help="timed runs per contender")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs (CPU allowed)")
+    parser.add_argument("--skip", default="", help="comma-separated contenders not to run")
+    args = parser.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
+    if not torch.cuda.is_available() and not args.smoke:
+        print("bench_gpu: no CUDA device (use --smoke to test the script on CPU)", file=sys.stderr)
+        return 3
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    deadline = time.monotonic() + args.deadline_s
+    table = configs(args.smoke)
+    results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "cases": {}}
+    for name in cases:
+        config, dtype, first, second = table[name]
+        print(f"{name}: {config.model_type} hidden {config.hidden_size} x "
+              f"{config.num_hidden_layers} layers, {str(dtype)[6:]}", flush=True)
+        case = Case(name, deadline, device, args.runs if not args.smoke else 3)
+        case.skip = set(args.skip.split(","))
+        model = make_model(config, dtype, device)
+        if name == "smol-decode":
+            decode_case(case, model, first, second, args)
+        else:
+            prefill_case(case, model, first, second, args)
+        results["cases"][name] = {"shape": [first, second], "dtype": str(dtype), "rows": case.rows,
+                                  "skipped": case.skipped}
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=1))
+    print_summary(results)
+    return 0
+
+
+def print_summary(results):
+    print(f"\nbench_gpu {results['date']} on {results['device']} (torch {results['torch']}); "
+          "ms = median per forward (decode: per generate of all tokens)")
+    for name, case in results["cases"].items():
+        peers = {r["contender"]: r["ms"] for r in case["rows"] if "ms" in r and not r["budget"]}
+        best_inductor = min((v for k, v in peers.items() if k.startswith("inductor")), default=None)
+        for r in case["rows"]:
+            if "error" in r:
+                print(f"  {name:<13} {r['contender']:<15} FAILED {r['error'][:100]}")
+                continue
+            ratio = f"{best_inductor / r['ms']:.2f}x best inductor" if best_inductor else ""
+            tps = f" {r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else ""
+            print(f"  {name:<13} {r['contender']:<15} b={r['budget']:<4g} {r['ms']:9.3f} ms{tps} "
+                  f"{ratio:>22}  {r['check']}")
+        if case["skipped"]:
+            print(f"  {name:<13} skipped (deadline): {', '.join(case['skipped'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
