@@ -5,12 +5,29 @@
     out = model(input_ids, attention_mask, budget=0.25)
     model.save("build/minilm")
     model = rbcompile.load("build/minilm")
+
+The API is imported on first use, so `import rbcompile` (and the CLI's start, where Ctrl-C must
+already be handled) does not load torch.
 """
+import importlib
+
 __version__ = "0.1.0"
 
-from .compiled import CompiledModel, CompiledOutput, load  # noqa: E402
-from .compiler import compile_model as compile  # noqa: E402,A001
 from .errors import CompileError, UserError  # noqa: E402
+
+_LAZY = {"CompiledModel": ("compiled", "CompiledModel"),
+         "CompiledOutput": ("compiled", "CompiledOutput"),
+         "load": ("compiled", "load"),
+         "compile": ("compiler", "compile_model")}
 
 __all__ = ["CompileError", "CompiledModel", "CompiledOutput", "UserError", "compile", "load",
            "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attribute)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rbcompile' has no attribute {name!r}")

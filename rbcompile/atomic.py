@@ -1,8 +1,19 @@
-"""Write an output file or folder atomically: into a temporary sibling, then rename it."""
+"""Write an output file or folder atomically: into a temporary sibling, then rename it.
+
+A folder is replaced only when it is one of ours: its marker file says which files it holds
+(`owned(folder)`), and the folder holds nothing else; a folder of the user's is never touched.
+The check and the swap run under an exclusive lock on the parent folder (two writers of one
+output queue up), the old folder is moved aside and put back if the swap fails, and SIGINT /
+SIGTERM are held off while the swap and the clean-up run, so no temporary or `.old` folder
+survives an exit path Python sees.
+"""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -10,12 +21,54 @@ from typing import Callable, TypeVar
 from .errors import UserError
 
 T = TypeVar("T")
+Owned = Callable[[Path], "set[str] | None"]  # files a folder's marker lists, or None: not ours
+_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-def check_replaceable(out_dir: Path, marker: str, kind: str) -> None:
-    """UserError unless `out_dir` is absent or an earlier `kind` (it holds `marker`)."""
-    if out_dir.exists() and not (out_dir / marker).is_file():
-        raise UserError(f"{out_dir} exists and is not {kind}; refusing to replace it")
+@contextlib.contextmanager
+def signals_held():
+    """Delay SIGINT / SIGTERM until the block ends (they are delivered then)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def locked(folder: Path):
+    """An exclusive advisory lock on `folder` (a directory file descriptor: nothing written)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def check_replaceable(out_dir: Path, owned: Owned, kind: str) -> None:
+    """UserError unless `out_dir` can be written: absent, an empty folder, or an earlier `kind`
+    holding only the files its marker lists; and its parent is (or can be made) writable."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir() or out_dir.is_symlink():
+            raise UserError(f"{out_dir} exists and is not a folder; refusing to replace it")
+        present = {p.name for p in out_dir.iterdir()}
+        listed = owned(out_dir) if present else set()
+        if listed is None:
+            raise UserError(f"{out_dir} exists and is not {kind}; refusing to replace it")
+        extra = sorted(present - listed)
+        if extra:
+            raise UserError(f"{out_dir} holds files that are not part of {kind} ({extra[0]}"
+                            f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}); "
+                            "refusing to replace it")
+    parent = out_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {out_dir}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {out_dir}: {parent} is not writable")
 
 
 def _umask() -> int:
@@ -34,37 +87,62 @@ def write_file(path, write: Callable[[Path], T]) -> T:
     tmp = Path(name)
     try:
         result = write(tmp)
-        tmp.chmod(0o666 & ~_umask())
-        os.replace(tmp, path)
+        with signals_held():
+            tmp.chmod(0o666 & ~_umask())
+            os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with signals_held():
+            tmp.unlink(missing_ok=True)
         raise
     return result
 
 
-def write_folder(out_dir, write: Callable[[Path], T], marker: str, kind: str) -> T:
-    """Call `write(tmp)` on a fresh temporary folder next to `out_dir`, then rename it to
-    `out_dir`; returns what `write` returned. An existing `out_dir` is replaced only if it holds
-    `marker` (it is an earlier `kind`); a failure leaves no temporary folder and the old
-    `out_dir` untouched."""
+def write_folder(out_dir, write: Callable[[Path], T], owned: Owned, kind: str) -> T:
+    """Call `write(tmp)` on a fresh temporary folder next to `out_dir`, then swap it in for
+    `out_dir`; returns what `write` returned. An existing `out_dir` is replaced only if
+    `check_replaceable` allows it; any failure or signal leaves the old `out_dir` as it was
+    and no temporary folder."""
     out_dir = Path(out_dir)
-    check_replaceable(out_dir, marker, kind)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    check_replaceable(out_dir, owned, kind)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create {out_dir.parent}: {exc.strerror}") from None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as exc:
+        raise UserError(f"cannot write in {out_dir.parent}: {exc.strerror}") from None
     umask = _umask()
     try:
         result = write(tmp)
         for file in tmp.iterdir():
             file.chmod(0o666 & ~umask)
         tmp.chmod(0o777 & ~umask)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-            os.replace(out_dir, old / "previous")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        with signals_held(), locked(out_dir.parent):
+            check_replaceable(out_dir, owned, kind)  # again: another writer may have been here
+            _swap(tmp, out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with signals_held():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return result
+
+
+def _swap(new: Path, out_dir: Path) -> None:
+    """Rename `new` to `out_dir`; an existing `out_dir` is moved aside first and put back if
+    the rename fails."""
+    if not out_dir.exists():
+        os.replace(new, out_dir)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+    try:
+        os.replace(out_dir, aside / "previous")
+        try:
+            os.replace(new, out_dir)
+        except BaseException:
+            os.replace(aside / "previous", out_dir)
+            raise
+    except OSError as exc:
+        raise UserError(f"cannot replace {out_dir}: {exc.strerror}") from None
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule
 
-from .compiler import compile_regions, generate_module
-from .errors import CompileError
+from .compiler import generate_module
+from .module import compile_regions
+from .errors import CompileError, first_line
 from .ir import RESERVED_NAMES
 from .passes import PassContext, run_pipeline
 from .runtime.plans import check_budget, plan_for_budget, skipped_share
@@ -302,8 +303,7 @@ def rbcompile_backend(gm: GraphModule, example_inputs, options: dict | None = No
             with unset_fake_temporarily():  # aot_autograd compiles under fake mode
                 return _compile_aten(aten_gm, names, list(example_inputs), parsed, record)
         except Exception as exc:  # any failure: this graph is not one rbcompile can compile
-            raise _Unsupported(f"{type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+            raise _Unsupported(f"{type(exc).__name__}: {first_line(exc)}") from exc
 
     try:
         return aot_autograd(fw_compiler=compile_inference)(gm, example_inputs)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, check_unicode
 
 DEFAULT_SOURCE = "default"
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "calibration-emma.txt"
@@ -48,7 +48,7 @@ def load_labelled(source: str | Path) -> tuple[list[str], list[int] | None]:
             if not isinstance(text, str):
                 raise UserError(f'{path}:{number}: expected a string or an object with "text"')
             if text.strip():
-                texts.append(text)
+                texts.append(check_unicode(text, f"{path}:{number}: the text"))
                 labels.append(item.get("label") if isinstance(item, dict) else None)
     else:
         texts = [raw] if raw.strip() else []

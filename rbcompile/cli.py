@@ -1,12 +1,26 @@
-"""The `rbcompile` command. Exit codes: 0 ok, 2 bad input or usage, 1 internal error."""
+"""The `rbcompile` command. Exit codes: 0 ok, 2 bad input or usage, 1 internal error,
+130 interrupted (SIGINT), 143 terminated (SIGTERM); an interrupted command leaves its output as
+it was before."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 
-EXIT_OK, EXIT_INTERNAL, EXIT_USAGE = 0, 1, 2
+from .errors import check_unicode, first_line
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the main thread is, so clean-up runs as for Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,7 +91,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_budget, help="fraction of prunable FLOPs to skip")
     p.add_argument("--complexity-threshold", type=float,
                    help="inputs scoring below it take the light path, the rest the full path")
-    p.add_argument("--max-new-tokens", type=int, default=20, help="decoders: tokens to generate")
+    p.add_argument("--max-new-tokens", type=int, default=20, help="decoders: tokens to generate "
+                   "(clipped, with a warning line, to the positions the prompt leaves)")
     _placement_options(p, "run on this device (default cpu)",
                        "must be the dtype the artifact was compiled in (a check)")
     p.add_argument("--engine", choices=("torch", "onnxruntime"), default="torch",
@@ -126,6 +141,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16, help="largest batch served (default 16)")
     p.add_argument("--seed", type=int, default=0)
 
+    p = sub.add_parser("verify", help="check an artifact without running it: every file's "
+                       "sha256, the manifest's schema, the generated code and the weights")
+    p.add_argument("artifact")
+
     sub.add_parser("models", help="list the bundled model names")
     return parser
 
@@ -137,12 +156,16 @@ def _version() -> str:
 
 def _cmd_compile(args) -> None:
     import logging
+    from pathlib import Path
 
     import rbcompile
     from .progress import say, step
 
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="  %(message)s")
+    from .atomic import check_replaceable
+    from . import manifest
+    check_replaceable(Path(args.output), manifest.owned_files, manifest.KIND)  # before the work
     model = rbcompile.compile(args.model, dump_pass=args.dump_pass, calib=args.calib,
                               calib_samples=args.calib_samples, calib_seq=args.calib_seq,
                               width_levels=args.width_levels, width_floor=args.width_floor,
@@ -178,7 +201,7 @@ def _region_rows(regions, setting):
 def _cmd_inspect(args) -> None:
     from pathlib import Path
 
-    from .compiled import read_manifest
+    from .manifest import read as read_manifest
     from .runtime.plans import plan_for_budget, skipped_share
 
     manifest = read_manifest(Path(args.artifact))
@@ -227,6 +250,8 @@ def _cmd_run(args) -> None:
         raise UserError("--onnx needs --engine onnxruntime")
     if any(not text.strip() for text in args.text):
         raise UserError("--text must not be empty")
+    for text in args.text:
+        check_unicode(text, "--text")
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
     model.complexity_threshold = args.complexity_threshold
     with (nullcontext(model) if args.engine == "torch"
@@ -238,14 +263,23 @@ def _run_texts(model, engine, args) -> None:
     """Print what `engine` (the CompiledModel or an OnnxRunner of it) makes of each text."""
     import torch
 
+    from .errors import UserError
+
     tokenizer = model.tokenizer
     if model.family == "decoder":
         for text in args.text:
             ids = tokenizer(text, return_tensors="pt")["input_ids"]
             prompt_len = ids.shape[1]
-            for _ in range(args.max_new_tokens):
-                if ids.shape[1] >= model.max_positions:
-                    break
+            room = model.max_positions - prompt_len
+            if room < 1:
+                raise UserError(f"the prompt has {prompt_len} tokens; the model has "
+                                f"{model.max_positions} positions, so at most "
+                                f"{model.max_positions - 1} prompt tokens can be continued")
+            if args.max_new_tokens > room:
+                print(f"rbcompile: warning: --max-new-tokens {args.max_new_tokens} clipped to "
+                      f"{room} (the model's {model.max_positions} positions minus the "
+                      f"{prompt_len}-token prompt)", file=sys.stderr)
+            for _ in range(min(args.max_new_tokens, room)):
                 out = engine(ids, budget=args.budget)
                 next_id = out["logits"][0, -1].argmax().cpu()
                 ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
@@ -256,8 +290,11 @@ def _run_texts(model, engine, args) -> None:
             print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs"
                   + (f", complexity {out.complexity[0]:.2f}" if out.complexity else ""))
         return
-    batch = tokenizer(args.text, return_tensors="pt", padding=True, truncation=True,
-                      max_length=model.max_positions)
+    lengths = [len(tokenizer(text)["input_ids"]) for text in args.text]
+    if max(lengths) > model.max_positions:
+        raise UserError(f"a text has {max(lengths)} tokens; the model has {model.max_positions} "
+                        "positions")
+    batch = tokenizer(args.text, return_tensors="pt", padding=True)
     out = engine(batch["input_ids"], batch["attention_mask"], budget=args.budget)
     hidden = out["last_hidden_state"].float().cpu()
     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
@@ -333,6 +370,22 @@ def _cmd_train_policy(args) -> None:
                  slo_ms=args.slo_ms, steps=args.steps, max_batch=args.max_batch, seed=args.seed)
 
 
+def _cmd_verify(args) -> None:
+    import time
+    from pathlib import Path
+
+    import rbcompile
+
+    start = time.perf_counter()
+    model = rbcompile.load(args.artifact)
+    listed = model.manifest["files"]["sha256"]
+    size = sum((Path(args.artifact) / name).stat().st_size for name in listed)
+    print(f"{args.artifact}: ok ({len(listed)} files, {size / 1e6:.1f} MB, sha256 verified; "
+          f"schema {model.manifest['schema_version']}; {len(model.regions)} regions, "
+          f"{model.num_gates} gates, {len(model.plans or [])} plans) in "
+          f"{time.perf_counter() - start:.1f} s")
+
+
 def _cmd_models(args) -> None:
     from .models import DEFAULT_MODEL, list_models
     for name, package, description in list_models():
@@ -341,7 +394,7 @@ def _cmd_models(args) -> None:
 
 
 COMMANDS = {"compile": _cmd_compile, "inspect": _cmd_inspect, "run": _cmd_run,
-            "export-onnx": _cmd_export_onnx,
+            "export-onnx": _cmd_export_onnx, "verify": _cmd_verify,
             "curve": _cmd_curve, "train-policy": _cmd_train_policy, "models": _cmd_models}
 
 
@@ -352,6 +405,8 @@ def main(argv=None) -> int:
     except SystemExit as exc:  # usage errors (exit 2), --help and --version (exit 0)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     from .errors import UserError
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         COMMANDS[args.command](args)
     except UserError as exc:
@@ -359,14 +414,19 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("rbcompile: interrupted", file=sys.stderr)
-        return EXIT_INTERNAL
+        return EXIT_SIGINT
+    except Terminated:
+        print("rbcompile: terminated", file=sys.stderr)
+        return EXIT_SIGTERM
     except Exception as exc:  # an rbcompile bug: one line, details with RBCOMPILE_DEBUG=1
         if os.environ.get("RBCOMPILE_DEBUG"):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"rbcompile: internal error: {type(exc).__name__}: {first} "
+        print(f"rbcompile: internal error: {type(exc).__name__}: {first_line(exc)} "
               "(set RBCOMPILE_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return EXIT_OK
 
 

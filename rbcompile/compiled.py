@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 from pathlib import Path
 
@@ -11,8 +10,8 @@ import torch
 from . import __version__
 from .atomic import write_folder
 from .codegen import generate_source
-from .compiler import attach_weights, compile_regions, instantiate
-from .errors import UserError
+from .module import attach_weights, compile_regions, instantiate
+from .errors import UserError, first_line
 from .ir import check_ir
 from .models import copy_tokenizer_files
 from .placement import check_same_dtype, parse_device, parse_dtype
@@ -20,13 +19,8 @@ from .runtime.complexity import LengthRarityComplexity
 from .runtime.early_exit import RAMP_FILE, OffRamps
 from .runtime.plans import check_budget, plan_for_budget, skipped_share, width_shares
 
-SCHEMA_VERSION = 1
-MANIFEST, GRAPH, SOURCE, WEIGHTS, CONFIG = ("manifest.json", "graph.json", "model.py",
-                                            "weights.safetensors", "config.json")
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+from . import manifest as manifests
+from .manifest import CONFIG, GRAPH, MANIFEST, SCHEMA_VERSION, SOURCE, WEIGHTS
 
 
 class CompiledOutput(dict):
@@ -217,9 +211,8 @@ class CompiledModel:
         if self._tokenizer is None:
             if self.tokenizer_dir is None:
                 raise UserError("this compiled model has no tokenizer (compiled from a module)")
-            from transformers import AutoTokenizer
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir,
-                                                            trust_remote_code=False)
+            from .models import load_tokenizer
+            self._tokenizer = load_tokenizer(self.tokenizer_dir)
         return self._tokenizer
 
     # ---- artifact ---------------------------------------------------------------------------
@@ -256,58 +249,43 @@ class CompiledModel:
                                                   self.width_shares[r["id"]].items()}}
                                 if r["id"] in self.width_shares else {})}
                             for r in self.regions],
-                "files": {"graph": GRAPH, "graph_sha256": _sha256(graph_bytes),
-                          "source": SOURCE, "source_sha256": _sha256(self.source.encode()),
-                          "weights": WEIGHTS,
+                "files": {"graph": GRAPH, "source": SOURCE, "weights": WEIGHTS,
                           "config": CONFIG, "tokenizer": tokenizer_files},
             }
+            manifest["files"]["sha256"] = manifests.digests(tmp)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             return manifest, tokenizer_files
 
         out_dir = Path(out_dir)
-        manifest, tokenizer_files = write_folder(out_dir, write, MANIFEST, "an rbcompile artifact")
+        manifest, tokenizer_files = write_folder(out_dir, write, manifests.owned_files,
+                                                 manifests.KIND)
         self.manifest = manifest
         self.tokenizer_dir = out_dir if tokenizer_files else None
         return out_dir
 
 
-def read_manifest(path: Path) -> dict:
-    if not path.is_dir():
-        raise UserError(f"no such artifact folder: {path}")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing {MANIFEST} (not an rbcompile artifact)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path / MANIFEST}: corrupt JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{path / MANIFEST}: unsupported schema version "
-                        f"{manifest.get('schema_version') if isinstance(manifest, dict) else None!r}"
-                        f" (this rbcompile reads {SCHEMA_VERSION})")
-    return manifest
-
-
 def load(path, device=None, dtype=None) -> CompiledModel:
-    """Load an artifact onto `device` (default cpu). The module is regenerated from graph.json
-    (checked against an op allow-list) and must match the stored model.py; weights come from
-    safetensors only. `dtype`, if given, must be the dtype the artifact was compiled in."""
+    """Load an artifact onto `device` (default cpu). Every file is checked against the sha256
+    the manifest lists, and the manifest against its schema (rbcompile/manifest.py); the module
+    is regenerated from graph.json (checked against an op allow-list) and must match the stored
+    model.py; weights come from safetensors only. `dtype`, if given, must be the dtype the
+    artifact was compiled in."""
     from safetensors.torch import load_file
 
     path = Path(path)
     device = parse_device(device) or torch.device("cpu")
     requested_dtype = parse_dtype(dtype)
-    manifest = read_manifest(path)
+    manifest = manifests.read(path)
+    manifests.verify_files(path, manifest)
     check_same_dtype(getattr(torch, manifest.get("architecture", {}).get("dtype", "float32")),
                      requested_dtype)
-    files = manifest.get("files", {})
+    files = manifest["files"]
     try:
         graph_bytes = (path / GRAPH).read_bytes()
         stored_source = (path / SOURCE).read_text()
     except (FileNotFoundError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read artifact file ({exc.__class__.__name__}: "
                         f"{getattr(exc, 'filename', None) or exc})") from None
-    if _sha256(graph_bytes) != files.get("graph_sha256"):
-        raise UserError(f"{path / GRAPH}: sha256 does not match the manifest (corrupt or edited)")
     try:
         ir = json.loads(graph_bytes)
     except json.JSONDecodeError as exc:
@@ -316,7 +294,7 @@ def load(path, device=None, dtype=None) -> CompiledModel:
         raise UserError(f"{path / GRAPH}: expected a JSON object")
     check_ir(ir)
     source = generate_source(ir)
-    if _sha256(source.encode()) != files.get("source_sha256") or source != stored_source:
+    if source != stored_source:
         raise UserError(f"{path / SOURCE}: does not match the code regenerated from {GRAPH} "
                         "(edited, or written by another rbcompile version)")
     try:
@@ -325,9 +303,12 @@ def load(path, device=None, dtype=None) -> CompiledModel:
         raise UserError(f"{path}: missing {WEIGHTS}") from None
     except Exception as exc:
         raise UserError(f"corrupt safetensors file {path / WEIGHTS}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+                        f"{first_line(exc)}") from None
     module = instantiate(source, str(path))
     attach_weights(module, tensors)
+    if (len(manifest["regions"]) != len(ir["regions"])
+            or sum(r["kind"] == "prunable" for r in manifest["regions"]) != module.NUM_GATES):
+        raise UserError(f"{path / MANIFEST}: invalid manifest: its regions do not match {GRAPH}")
     try:
         hf_config = json.loads((path / CONFIG).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
@@ -348,7 +329,7 @@ def _load_offramps(path: Path, spec: dict) -> OffRamps:
                                      float(spec["threshold"]))
     except Exception as exc:
         raise UserError(f"{path / RAMP_FILE}: cannot load off-ramps "
-                        f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+                        f"({first_line(exc)})") from None
 
 
 def _min_max(tensor: torch.Tensor) -> tuple[int, int]:

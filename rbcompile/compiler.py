@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-import linecache
 import operator
-import re
 
 import torch
 
@@ -12,39 +10,15 @@ from . import __version__
 from .codegen import generate_source
 from .errors import UserError
 from .ir import build_ir
-from .models import checkpoint_sha256, load_hf_model, model_family, resolve_checkpoint
+from .module import attach_weights, instantiate
+from .models import (checkpoint_sha256, load_hf_model, load_tokenizer, model_family,
+                     resolve_checkpoint)
 from .passes import CALIBRATED_PIPELINE, PIPELINE, PassContext, run_pipeline
 from .passes.annotate_flops import REFERENCE_SEQ
 from .progress import say, step
 from .width import DEFAULT_LEVELS
 from .placement import dtype_name, parse_device, parse_dtype
 from .trace import INPUT_NAMES, example_inputs, model_placement, trace
-
-
-def instantiate(source: str, tag: str, namespace: dict | None = None) -> torch.nn.Module:
-    """Execute generated source (and only that) in `namespace` (default: a fresh one) and
-    return an empty GeneratedModel."""
-    filename = f"<rbcompile generated {tag}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"__name__": "rbcompile_generated"} if namespace is None else namespace
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["GeneratedModel"]()
-
-
-def attach_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Register each tensor named in module.PARAMETERS as a buffer; strict on missing keys."""
-    missing = [key for key in module.PARAMETERS.values() if key not in tensors]
-    if missing:
-        raise UserError(f"weights are missing {len(missing)} tensors, e.g. {missing[0]}")
-    for name, key in module.PARAMETERS.items():
-        module.register_buffer(name, tensors[key])
-    for name, (key, axis, length) in module.PARAMETER_VIEWS.items():
-        if key not in tensors or tensors[key].dim() <= axis or tensors[key].shape[axis] < length:
-            raise UserError(f"weights cannot provide the view {name} of {key}")
-        module.register_buffer(name, tensors[key].narrow(axis, 0, length), persistent=False)
-
-
-_REGION_METHOD = re.compile(r"r[0-9]+_[A-Za-z0-9_]*")  # names codegen.method_name gives
 
 
 def generate_module(gm, regions: list[dict], input_names, output_names, title: str):
@@ -55,13 +29,6 @@ def generate_module(gm, regions: list[dict], input_names, output_names, title: s
     module = instantiate(source, title)
     attach_weights(module, {key: operator.attrgetter(key)(gm) for key in ir["parameters"].values()})
     return ir, source, module
-
-
-def compile_regions(module: torch.nn.Module) -> None:
-    """Compile every region method of a generated module with inductor (the guarded branches
-    between them stay Python, so a new gate decision never recompiles)."""
-    for name in [n for n in type(module).__dict__ if _REGION_METHOD.fullmatch(n)]:
-        setattr(module, name, torch.compile(getattr(module, name), backend="inductor"))
 
 
 def architecture_summary(model) -> dict:
@@ -185,12 +152,17 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
 
     device, dtype = parse_device(device), parse_dtype(dtype)
     if isinstance(model_or_path, torch.nn.Module):
+        if calib is not None:
+            raise UserError("calibrating needs a tokenizer: compile a checkpoint folder or a "
+                            "bundled name, not a loaded module")
         model, checkpoint = model_or_path.eval(), None
         if device is not None or dtype is not None:
             model.to(device=device, dtype=dtype)
         source = {"name": type(model).__name__, "path": None, "sha256": _state_sha256(model)}
     else:
         checkpoint = resolve_checkpoint(model_or_path)
+        if calib is not None:  # before minutes of work: calibration text needs the tokenizer
+            load_tokenizer(checkpoint)
         with step(f"loading {model_or_path}"):
             model = load_hf_model(checkpoint, dtype).to(device or "cpu")
         source = {"name": str(model_or_path), "path": str(checkpoint.resolve()),

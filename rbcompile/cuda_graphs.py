@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from .errors import first_line
+
 logger = logging.getLogger("rbcompile.cuda_graphs")
 _MAX_SEEN = 4096
 
@@ -156,7 +158,7 @@ class GraphCache:
             return None
         except RuntimeError as exc:  # an op that cannot be captured (a host sync, say)
             logger.warning("cannot capture a CUDA graph for %s: %s; running it eagerly", key[0],
-                           str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                           first_line(exc))
             self._uncapturable.add(key)
             self._seen.pop(key, None)
             self.stats.capture_failures += 1

@@ -6,17 +6,21 @@ remote code.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .progress import step
 
 # model_type -> (family, is_decoder). Families share one structural description in the passes.
@@ -155,7 +159,7 @@ def validate_checkpoint(path: Path) -> None:
                 if keys:  # reading the last tensor catches truncated data
                     f.get_slice(keys[-1])[...]
         except Exception as exc:  # safetensors raises several types for corrupt files
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            reason = first_line(exc)
             raise UserError(f"corrupt safetensors file {file}: {reason}") from None
 
 
@@ -178,15 +182,61 @@ def load_hf_model(path: Path, dtype=None):
 
     family = model_family(read_config(path))
     auto = AutoModelForCausalLM if family == "decoder" else AutoModel
-    try:
-        model = auto.from_pretrained(path, dtype=dtype or torch.float32, trust_remote_code=False,
-                                     use_safetensors=True)
-    except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"cannot load {path}: {reason}") from None
+    with library_output():
+        try:
+            model = auto.from_pretrained(path, dtype=dtype or torch.float32,
+                                         trust_remote_code=False, use_safetensors=True)
+        except Exception as exc:
+            reason = first_line(exc)
+            if "mismatched_sizes" in reason:
+                reason = ("the weights' shapes do not match config.json (RBCOMPILE_DEBUG=1 "
+                          "shows transformers' load report)")
+            raise UserError(f"cannot load {path}: {reason}") from None
     return model.eval()
 
 
+@contextlib.contextmanager
+def library_output():
+    """Capture what transformers prints or logs while loading (its load report); shown on
+    stderr when RBCOMPILE_DEBUG is set. Yields the captured text (a StringIO)."""
+    from transformers.utils import logging as hf_logging
+
+    captured = io.StringIO()
+    handler = logging.StreamHandler(captured)
+    hf_logger = hf_logging.get_logger("transformers")
+    hf_logger.addHandler(handler)
+    propagate, hf_logger.propagate = hf_logger.propagate, False
+    handlers = [h for h in hf_logger.handlers if h is not handler]
+    for h in handlers:
+        hf_logger.removeHandler(h)
+    try:
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            yield captured
+    finally:
+        hf_logger.removeHandler(handler)
+        for h in handlers:
+            hf_logger.addHandler(h)
+        hf_logger.propagate = propagate
+        if os.environ.get("RBCOMPILE_DEBUG") and captured.getvalue():
+            sys.stderr.write(captured.getvalue())
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer of a checkpoint or artifact folder (no remote code); a UserError when the
+    folder has none or it does not load."""
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in TOKENIZER_CORE_FILES):
+        raise UserError(f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_CORE_FILES)})")
+    with library_output():
+        try:
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        except Exception as exc:
+            reason = first_line(exc)
+            raise UserError(f"cannot load the tokenizer in {path}: {reason}") from None
+
+
+TOKENIZER_CORE_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model",
                    "chat_template.jinja", "generation_config.json")

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import first_line
+
 INPUT_NAMES = ("input_ids", "attention_mask", "gates")
 OPSETS = range(18, 24)          # torch's ONNX exporter starts at 18; onnxruntime 1.2x reads <= 23
 EXAMPLE_SHAPE = (2, 16)         # batch x sequence traced (the fixed shape with dynamic=False)
@@ -79,7 +81,7 @@ def _cond_module(compiled, widths):
     import torch
 
     from .codegen import generate_source
-    from .compiler import attach_weights, instantiate
+    from .module import attach_weights, instantiate
 
     namespace = types.ModuleType(f"rbcompile_onnx_{next(_module_ids)}")
     sys.modules[namespace.__name__] = namespace
@@ -217,7 +219,7 @@ def _check(model_path: str, cases: Path) -> dict:
     try:
         onnx.checker.check_model(model_path, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        return failed(f"onnx.checker: {str(exc).strip().splitlines()[0]}")
+        return failed(f"onnx.checker: {first_line(exc)}")
     session = onnxruntime.InferenceSession(model_path, providers=["CPUExecutionProvider"])
     inputs = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CompileError
+from .errors import CompileError, first_line
 
 INPUT_NAMES = ("input_ids", "attention_mask")
 logger = logging.getLogger("rbcompile.trace")
@@ -76,7 +76,7 @@ def trace(model: torch.nn.Module, family: str) -> TracedModel:
                                                1: torch.export.Dim.DYNAMIC}, family)
             logger.warning("torch.export ranges: %s", exported.range_constraints)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise CompileError(f"torch.export failed for {type(model).__name__}: {first}") from None
     out_spec = exported.call_spec.out_spec
     names = list(out_spec.context) if isinstance(out_spec.context, list) else []

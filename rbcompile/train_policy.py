@@ -37,7 +37,7 @@ from .progress import say, step
 from .runtime.complexity import Tiers
 from .runtime.executor import RowResult, TieredExecutor, pad_batch
 from .runtime.policy import BasePolicy, Decision, StaticPolicy
-from .runtime.ppo import META_FILE, PPOConfig, PPOPolicy, train_ppo
+from .runtime.ppo import META_FILE, WEIGHTS_FILE, PPOConfig, PPOPolicy, train_ppo
 from .runtime.simulator import (FREE_DROP, ServiceTable, ServingSimulator, Setting, SimConfig,
                                 WorkloadItem, fit_latency)
 
@@ -48,6 +48,16 @@ LATENCY_ROUNDS = 3
 EVALUATION_DAYS = 3
 TABLE_FILE = "table.json"
 POLICY_KIND = "a policy folder"
+POLICY_FILES = {META_FILE, WEIGHTS_FILE, TABLE_FILE}
+
+
+def policy_files(folder: Path) -> set[str] | None:
+    """The files of an earlier policy folder (its policy.json parses), or None: not ours."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return POLICY_FILES if isinstance(meta, dict) else None
 
 
 def read_workload(path) -> list[str]:
@@ -201,7 +211,7 @@ def train_policy(artifact, workload_path, output, *, classifier=None, slo_ms: fl
     if steps < 1 or max_batch < 1 or not slo_ms > 0:
         raise UserError("--steps and --max-batch must be >= 1 and --slo-ms > 0")
     output = Path(output)
-    check_replaceable(output, META_FILE, POLICY_KIND)  # before minutes of work
+    check_replaceable(output, policy_files, POLICY_KIND)  # before minutes of work
     texts = read_workload(workload_path)
     compiled = load(artifact)
     if not compiled.plans:
@@ -250,7 +260,7 @@ def train_policy(artifact, workload_path, output, *, classifier=None, slo_ms: fl
     def write(folder: Path) -> None:
         policy.save(folder)
         (folder / TABLE_FILE).write_text(json.dumps(table_json, indent=1))
-    write_folder(output, write, META_FILE, POLICY_KIND)
+    write_folder(output, write, policy_files, POLICY_KIND)
     print(format_results(results))
     print(f"wrote {output}: {', '.join(sorted(p.name for p in output.iterdir()))}")
     return results

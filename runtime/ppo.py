@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import UserError
+from ..errors import UserError, first_line
 from .policy import FEATURES, BasePolicy, Decision, PolicyState
 from .simulator import ActionLevels, ServingSimulator
 
@@ -256,7 +256,7 @@ class PPOPolicy(BasePolicy):
         try:
             tensors = load_file(str(weights_path))
         except Exception as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            first = first_line(exc)
             raise UserError(f"corrupt safetensors file {weights_path}: {first}") from None
         try:
             network = ActorCritic(levels.sizes, int(meta.get("hidden", HIDDEN)))

@@ -24,7 +24,7 @@ def _tamper(artifact, tmp_path, edit):
     data = json.dumps(ir).encode()
     (art / "graph.json").write_bytes(data)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["files"]["graph_sha256"] = hashlib.sha256(data).hexdigest()
+    manifest["files"]["sha256"]["graph.json"] = hashlib.sha256(data).hexdigest()
     (art / "manifest.json").write_text(json.dumps(manifest))
     return art
 
@@ -61,9 +61,9 @@ def test_newer_schema_is_refused(artifact, tmp_path):
     art = tmp_path / "art"
     shutil.copytree(artifact, art)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["schema_version"] = 2
+    manifest["schema_version"] = 3
     (art / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match="unsupported schema version 2"):
+    with pytest.raises(UserError, match="unsupported schema version 3"):
         rbcompile.load(art)
 
 
@@ -98,3 +98,18 @@ def test_tied_weights_are_stored_once(tmp_path):
     import torch
     ids = torch.randint(3, 90, (2, 6))
     assert torch.equal(loaded(ids)["logits"], compiled(ids)["logits"])
+
+
+def test_loading_an_artifact_imports_no_compiler(artifact):
+    """Layering: the artifact and the serving runtime never import the passes, the compiler,
+    the fused kernels (this artifact is unfused) or transformers' model classes."""
+    import subprocess
+    import sys
+    code = ("import sys, rbcompile; rbcompile.load(sys.argv[1]); import rbcompile.runtime.server;"
+            "print(sorted(m for m in sys.modules if m.startswith(('rbcompile.passes', "
+            "'rbcompile.compiler', 'rbcompile.kernels', 'rbcompile.calibrate', 'triton', "
+            "'transformers.models'))))")
+    result = subprocess.run([sys.executable, "-c", code, str(artifact)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

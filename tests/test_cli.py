@@ -34,7 +34,8 @@ def test_compile_writes_complete_artifact(llama_artifact):
     assert {"manifest.json", "graph.json", "model.py", "weights.safetensors", "config.json",
             "tokenizer.json"} <= names
     manifest = json.loads((llama_artifact / "manifest.json").read_text())
-    assert manifest["schema_version"] == 1 and len(manifest["source"]["sha256"]) == 64
+    assert manifest["schema_version"] == 2 and len(manifest["source"]["sha256"]) == 64
+    assert set(manifest["files"]["sha256"]) == names - {"manifest.json"}
     assert manifest["architecture"]["model_type"] == "llama"
     assert [p["pass"] for p in manifest["passes"]][0] == "canonicalize"
     kinds = {r["kind"] for r in manifest["regions"]}
@@ -139,9 +140,9 @@ def test_bad_usage(llama_artifact, tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize("damage,message", [
-    ("model.py", "does not match the code regenerated"),
-    ("graph.json", "sha256 does not match the manifest"),
-    ("weights.safetensors", "corrupt safetensors file"),
+    ("model.py", "model.py: sha256 does not match the manifest"),
+    ("graph.json", "graph.json: sha256 does not match the manifest"),
+    ("weights.safetensors", "weights.safetensors: sha256 does not match the manifest"),
     ("manifest.json", "corrupt JSON"),
 ])
 def test_run_damaged_artifact(llama_artifact, tmp_path, capsys, damage, message):
