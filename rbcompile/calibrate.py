@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import quality
 from .codegen import method_name
 from .progress import say
-from .runtime.plans import apply_plan
+from .runtime.plans import apply_plan, within_budget
 
 BUDGET_GRID = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 
@@ -167,7 +167,7 @@ def greedy_trajectory(states: dict[int, list[tuple]], evaluate, max_budget: floa
         for gate in states:
             if position[gate] + 1 < len(states[gate]):
                 gain, prior = gain_and_prior(gate)
-                if saved + gain <= max_budget + 1e-9:
+                if within_budget(saved + gain, max_budget):
                     moves.append((prior, gate, gain))
         if not moves:
             return trajectory
@@ -212,7 +212,7 @@ def build_plans(compiled, importance: dict, calib: Evaluator, heldout: Evaluator
     say(f"  greedy search: {len(trajectory) - 1} moves, {steps[0]} measured settings")
     plans = []
     for budget in (0.0, *grid):
-        saved, choice = max((t for t in trajectory if t[0] <= budget + 1e-9), key=lambda t: t[0])
+        saved, choice = max((t for t in trajectory if within_budget(t[0], budget)), key=lambda t: t[0])
         gates, widths = choice_to_setting(choice, compiled.num_gates)
         plan = {"budget": budget, "skip_gates": [i for i, g in enumerate(gates) if not g],
                 "widths": {str(g): w for g, w in sorted(choice.items()) if w > 0},

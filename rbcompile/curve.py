@@ -14,6 +14,7 @@ from . import quality
 from .calibration_data import decoder_windows, load_labelled, load_texts, paragraphs
 from .errors import UserError
 from .progress import say
+from .runtime.plans import within_budget
 
 DEFAULT_EVAL = Path(__file__).parent / "data" / "eval-tempest.txt"
 
@@ -63,7 +64,7 @@ def static_bi_gates(compiled, budget: float) -> list[bool]:
     gates, skipped = [True] * compiled.num_gates, 0.0
     for layer in sorted(by_layer, key=lambda i: layers[str(i)]["block_influence"]):
         share = sum(r["prunable_share"] for r in by_layer[layer])
-        if skipped + share <= budget + 1e-9:
+        if within_budget(skipped + share, budget):
             for region in by_layer[layer]:
                 gates[region["gate"]] = False
             skipped += share

@@ -26,6 +26,14 @@ def skip_order(regions: list[dict]) -> list[dict]:
                                            r["unit_kind"] == "mlp"))
 
 
+BUDGET_EPS = 1e-9  # budgets and FLOP shares compare with this slack (float sums)
+
+
+def within_budget(amount: float, budget: float) -> bool:
+    """True when `amount` (a FLOP share, a plan's budget) does not exceed `budget`."""
+    return amount <= budget + BUDGET_EPS
+
+
 def check_budget(budget) -> float:
     try:
         value = float(budget)
@@ -43,12 +51,12 @@ def plan_for_budget(regions: list[dict], budget: float, plans: list[dict] | None
     budget = check_budget(budget)
     num_gates = sum(1 for r in regions if r["kind"] == "prunable")
     if plans:
-        plan = max((p for p in plans if p["budget"] <= budget + 1e-9), key=lambda p: p["budget"])
+        plan = max((p for p in plans if within_budget(p["budget"], budget)), key=lambda p: p["budget"])
         return apply_plan(plan, num_gates)
     gates = [True] * num_gates
     skipped = 0.0
     for region in skip_order(regions):
-        if skipped + region["prunable_share"] <= budget + 1e-9:
+        if within_budget(skipped + region["prunable_share"], budget):
             gates[region["gate"]] = False
             skipped += region["prunable_share"]
     return gates, None

@@ -36,6 +36,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 
+from .plans import within_budget
 from .policy import FEATURES, BasePolicy, Decision, PolicyState
 from .workload import tidal_trace
 
@@ -124,8 +125,8 @@ class ServiceTable:
     def lookup(self, budget: float, width: float) -> Setting:
         """The setting a decision runs: the largest budget <= `budget` and the smallest width
         cap >= `width` (the narrowest when `width` is below all of them)."""
-        level = max(b for b in self.budgets if b <= budget + 1e-9)
-        above = [w for w in self.widths if w >= width - 1e-9]
+        level = max(b for b in self.budgets if within_budget(b, budget))
+        above = [w for w in self.widths if within_budget(width, w)]
         return self._by_key[(level, min(above) if above else min(self.widths))]
 
     def within_one_point(self) -> Setting:
