@@ -8,7 +8,8 @@ at a budget is reported as agreement with the full path, not as task quality):
 - `bert`: BERT-base fp16, 32 x 128 (last_hidden_state);
 - `smol-prefill`: a SmolLM2-135M-sized Llama in bf16, prefill 8 x 512 (logits);
 - `smol-decode`: the same model, `generate` of 128 greedy tokens after a 32-token prompt with a
-  static KV cache (tokens/s);
+  static KV cache (tokens/s); `inductor-ro` is transformers' own compile of the forward
+  (mode reduce-overhead, its default on CUDA with a static cache), the others disable it;
 - `llama1b`: a Llama-3.2-1B-sized model in bf16, prefill 4 x 1024 (logits).
 
 Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`), `inductor-ro` (mode reduce-overhead: inductor + CUDA graphs),
@@ -197,24 +198,27 @@ def decode_case(case: Case, model, prompt, new, args):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     forward = model.forward
+    # On CUDA with a static cache, transformers compiles its own forward (mode reduce-overhead)
+    # unless told not to: that is the `inductor-ro` contender; the others disable it.
     settings = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
                     cache_implementation="static")
 
-    def generate(budget=None):
+    def generate(budget=None, hf_compile=False):
         with torch.no_grad(), backend.decision(budget=budget):
-            return model.generate(ids, attention_mask=torch.ones_like(ids), **settings)[:, prompt:]
+            return model.generate(ids, attention_mask=torch.ones_like(ids), **settings,
+                                  disable_compile=not hf_compile)[:, prompt:]
 
     reference = generate()
 
-    def patched(compiled_forward):
+    def patched(compiled_forward, hf_compile=False):
         def setup():
             model.forward = compiled_forward
-            return generate, reference
+            return (lambda budget: generate(budget, hf_compile)), reference
         return setup
 
     case.contender("eager", patched(forward))
     if case.device.type == "cuda":
-        case.contender("inductor-ro", patched(torch.compile(forward, mode="reduce-overhead")))
+        case.contender("inductor-ro", patched(forward, hf_compile=True))
     options = {"cuda_graphs": case.device.type == "cuda", "regions": "eager"}
     backend.reset()
     case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile",

@@ -22,8 +22,6 @@ KIND = "rb_kind"          # "skeleton" | "prunable" | "cache"
 UNIT = "rb_unit"          # prunable unit name, e.g. "layers.3.self_attn" (prunable nodes only)
 REGION = "rb_region"      # region id after partitioning
 
-KINDS = ("skeleton", "prunable", "cache")
-
 
 @dataclass
 class PassResult:

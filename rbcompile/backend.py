@@ -67,15 +67,15 @@ class BackendOptions:
 
 
 @dataclass(frozen=True)
-class Decision:
+class GateDecision:
     """What the runtime chose for the calls inside a `decision(...)` block."""
     budget: float | None = None
     gates: tuple[bool, ...] | None = None
     widths: tuple[float, ...] | None = None
 
 
-_current: contextvars.ContextVar[Decision | None] = contextvars.ContextVar("rbcompile_decision",
-                                                                           default=None)
+_current: contextvars.ContextVar[GateDecision | None] = contextvars.ContextVar(
+    "rbcompile_decision", default=None)
 
 
 @contextlib.contextmanager
@@ -83,7 +83,7 @@ def decision(budget: float | None = None, gates=None, widths=None):
     """Run the compiled graphs inside this block at `budget` (or explicit `gates` / `widths`)."""
     if budget is not None:
         budget = check_budget(budget)
-    chosen = Decision(budget, None if gates is None else tuple(bool(g) for g in gates),
+    chosen = GateDecision(budget, None if gates is None else tuple(bool(g) for g in gates),
                       None if widths is None else tuple(float(w) for w in widths))
     token = _current.set(chosen)
     try:
@@ -226,7 +226,7 @@ class _Runner:
             self.graphs = GraphCache(module, max_graphs=options.max_graphs, capture=capture)
 
     def _choose(self):
-        chosen = _current.get() or Decision(self.options.budget)
+        chosen = _current.get() or GateDecision(self.options.budget)
         regions, count = self.record.regions, self.record.num_gates
         if chosen.gates is not None:
             if len(chosen.gates) != count:

@@ -50,11 +50,6 @@ def capture_streams(compiled):
             del module.__dict__[name]
 
 
-def region_method(region: dict) -> str:
-    from .codegen import _method_name
-    return _method_name(region)
-
-
 def _influence(pairs, masks) -> float:
     """Mean over real tokens of 1 - cos(stream in, stream out)."""
     total, count = 0.0, 0

@@ -19,8 +19,23 @@ class Terminated(BaseException):
     """SIGTERM, raised where the main thread is, so clean-up runs as for Ctrl-C."""
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
+class _Stop:
+    """SIGINT / SIGTERM handler: the first signal raises (KeyboardInterrupt / Terminated) and
+    is remembered, later ones are ignored so clean-up finishes. A library that turns the
+    exception into its own error (transformers' lazy imports do) still ends the command with
+    the signal's exit code."""
+
+    def __init__(self):
+        self.received = None
+
+    def __call__(self, signum, frame):
+        if self.received is not None:
+            return
+        self.received = signum
+        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+    def exit_code(self) -> int | None:
+        return {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM}.get(self.received)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,6 +62,17 @@ def _levels(text: str) -> tuple[float, ...]:
 def _placement_options(parser, device_help: str, dtype_help: str) -> None:
     parser.add_argument("--device", help=device_help + ": cpu, cuda, cuda:N")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help=dtype_help)
+
+
+def _import_libraries() -> None:
+    """Import torch and transformers with SIGINT / SIGTERM held: a signal inside their native
+    initialisation can abort the process (or leave an interrupt pending past our handler);
+    held, it is delivered right after, as a clean KeyboardInterrupt / Terminated."""
+    from .atomic import signals_held
+
+    with signals_held():
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -405,29 +431,32 @@ def main(argv=None) -> int:
     except SystemExit as exc:  # usage errors (exit 2), --help and --version (exit 0)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     from .errors import UserError
+    stop = _Stop()
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    previous = ({signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+                if in_main_thread else {})
     try:
+        if in_main_thread and args.command != "models":
+            _import_libraries()
         COMMANDS[args.command](args)
-    except UserError as exc:
-        print(f"rbcompile: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("rbcompile: interrupted", file=sys.stderr)
-        return EXIT_SIGINT
-    except Terminated:
-        print("rbcompile: terminated", file=sys.stderr)
-        return EXIT_SIGTERM
-    except Exception as exc:  # an rbcompile bug: one line, details with RBCOMPILE_DEBUG=1
-        if os.environ.get("RBCOMPILE_DEBUG"):
+    except (KeyboardInterrupt, Terminated, Exception) as exc:
+        stopped = stop.exit_code() or (EXIT_SIGINT if isinstance(exc, KeyboardInterrupt) else None)
+        if stopped is not None:
+            print(f"rbcompile: {'interrupted' if stopped == EXIT_SIGINT else 'terminated'}",
+                  file=sys.stderr)
+            return stopped
+        if isinstance(exc, UserError):
+            print(f"rbcompile: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        if os.environ.get("RBCOMPILE_DEBUG"):  # an rbcompile bug: one line, or the traceback
             raise
         print(f"rbcompile: internal error: {type(exc).__name__}: {first_line(exc)} "
               "(set RBCOMPILE_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
-    return EXIT_OK
+    finally:  # after a signal `stop` stays: a library may re-trip SIGINT while Python exits
+        for signum, handler in previous.items() if stop.received is None else ():
+            signal.signal(signum, handler)
+    return stop.exit_code() or EXIT_OK
 
 
 if __name__ == "__main__":

@@ -3,17 +3,8 @@ import sys
 import time
 from contextlib import contextmanager
 
-_quiet = False
-
-
-def set_quiet(quiet: bool) -> None:
-    global _quiet
-    _quiet = quiet
-
-
 def say(message: str) -> None:
-    if not _quiet:
-        print(message, file=sys.stderr, flush=True)
+    print(message, file=sys.stderr, flush=True)
 
 
 @contextmanager

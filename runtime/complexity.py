@@ -20,8 +20,6 @@ import torch
 
 from ..quality import head_logits
 
-TIERS = ("light", "medium", "full")
-
 
 class LengthRarityComplexity:
     """The cheap terms, from token ids only."""

@@ -75,10 +75,6 @@ def apply_plan(plan: dict, num_gates: int) -> tuple[list[bool], list[float] | No
     return gates, widths
 
 
-def gates_for_budget(regions: list[dict], budget: float, plans: list[dict] | None = None) -> list[bool]:
-    return plan_for_budget(regions, budget, plans)[0]
-
-
 def width_shares(variants: list[dict]) -> dict[int, dict[float, float]]:
     """region id -> {width ratio: prunable FLOPs share at that width} from the IR's variants."""
     shares: dict[int, dict[float, float]] = {}

@@ -9,6 +9,7 @@ default policy when it is exceeded.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import concurrent.futures
 import math
 import threading
@@ -113,7 +114,8 @@ class PIDPolicy(BasePolicy):
         if not 0 <= max_tier_shift <= 1:
             raise ValueError(f"max_tier_shift must be in [0, 1], got {max_tier_shift!r}")
         self.max_budget = min(config.output_max, max_budget)
-        config.output_max = self.max_budget + max_tier_shift
+        # a copy: the caller's config is not changed
+        config = dataclasses.replace(config, output_max=self.max_budget + max_tier_shift)
         self.controller = PIDController(config)
         self.target = target
         self._last_update: float | None = None

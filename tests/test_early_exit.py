@@ -1,4 +1,7 @@
 """Early exit with off-ramps: regrouped rows give the full path's answer, exits the ramp's."""
+import hashlib
+import json
+
 import pytest
 import torch
 
@@ -72,5 +75,10 @@ def test_ramps_survive_save_and_load_and_a_corrupt_file_is_refused(task_bert, tm
     torch.testing.assert_close(run_with_exits(loaded, loaded.offramps, ids, mask).logits,
                                run_with_exits(task_bert, task_bert.offramps, ids, mask).logits)
     (art / RAMP_FILE).write_bytes(b"garbage")
+    with pytest.raises(UserError, match="offramps.safetensors: sha256 does not match"):
+        rbcompile.load(art)
+    manifest = json.loads((art / "manifest.json").read_text())  # re-signed: parsed, refused
+    manifest["files"]["sha256"][RAMP_FILE] = hashlib.sha256(b"garbage").hexdigest()
+    (art / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match="cannot load off-ramps"):
         rbcompile.load(art)

@@ -182,7 +182,7 @@ def test_cli_run_onnxruntime_exports_to_a_temporary_file(bert_artifact, capsys):
     ("weights.safetensors", "missing weights.safetensors"),
     ("graph.json", "sha256 does not match the manifest"),
     ("manifest.json", "corrupt JSON"),
-    ("model.py", "cannot read artifact file"),
+    ("model.py", "missing model.py"),
 ])
 def test_export_damaged_artifact(bert_artifact, tmp_path, capsys, damage, message):
     art = tmp_path / "art"

@@ -84,3 +84,10 @@ def test_pid_goes_past_the_largest_budget_into_tier_shift_and_back():
         PIDPolicy(PIDConfig(setpoint=0.1), max_tier_shift=1.5)
     with pytest.raises(ValueError, match="tier_shift"):
         Decision(tier_shift=-0.1)
+
+
+def test_pid_policy_leaves_its_callers_config_alone():
+    config = PIDConfig(setpoint=0.15)
+    policy = PIDPolicy(config, max_budget=0.5, max_tier_shift=1.0)
+    assert config.output_max == PIDConfig(setpoint=0.15).output_max
+    assert policy.controller.config.output_max == 1.5

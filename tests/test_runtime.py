@@ -6,7 +6,11 @@ import torch
 
 from conftest import random_batch
 from rbcompile.runtime.complexity import LengthRarityComplexity
-from rbcompile.runtime.plans import gates_for_budget, skip_order, skipped_share
+from rbcompile.runtime.plans import plan_for_budget, skip_order, skipped_share
+
+
+def gates_for_budget(regions, budget):
+    return plan_for_budget(regions, budget)[0]
 from rbcompile.runtime.region_cache import RegionCache
 
 
