@@ -111,7 +111,7 @@ def test_signals_at_each_stage_leave_the_output_as_it_was(artifact, tiny_checkpo
     target = _copy(artifact, tmp_path / "art")
     before = _snapshot(target)
     outcomes = set()
-    for delay in (1.0, 2.5, 4.0, 6.0):
+    for delay in (0.3, 0.6, 1.0, 2.5, 4.0, 6.0):  # imports, load, trace, passes, write
         process = subprocess.Popen([*CLI, "compile", str(tiny_checkpoints["gpt2"]), "-o",
                                     str(target)], env=ENV, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
