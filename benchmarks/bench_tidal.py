@@ -82,7 +82,7 @@ def workload(compiled, sources: list[str] | None, max_tokens: int, pool: int, se
 
 def split_easy_hard(compiled, items, hard_fraction: float = 0.4):
     """Hard = the top `hard_fraction` by the cheap complexity score (length, rare tokens)."""
-    from rbcompile.runtime.complexity import LengthRarityComplexity
+    from rbcompile.input_complexity import LengthRarityComplexity
     score = LengthRarityComplexity(compiled.vocab_size)
     scores = [float(score(i[None], torch.ones_like(i[None]))) for i in items]
     order = sorted(range(len(items)), key=lambda i: scores[i])

@@ -32,7 +32,7 @@ from .module import compile_regions
 from .errors import CompileError, first_line
 from .ir import RESERVED_NAMES
 from .passes import PassContext, run_pipeline
-from .runtime.plans import check_budget, plan_for_budget, skipped_share
+from .plans import check_budget, plan_for_budget, skipped_share
 
 logger = logging.getLogger("rbcompile.backend")
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import quality
 from .codegen import method_name
 from .progress import say
-from .runtime.plans import apply_plan, within_budget
+from .plans import apply_plan, within_budget
 
 BUDGET_GRID = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 

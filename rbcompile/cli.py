@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _budget(text: str) -> float:
-    from .runtime.plans import check_budget
+    from .plans import check_budget
     try:
         return check_budget(text)
     except ValueError as exc:
@@ -228,7 +228,7 @@ def _cmd_inspect(args) -> None:
     from pathlib import Path
 
     from .manifest import read as read_manifest
-    from .runtime.plans import plan_for_budget, skipped_share
+    from .plans import plan_for_budget, skipped_share
 
     manifest = read_manifest(Path(args.artifact))
     regions = manifest["regions"]

@@ -218,7 +218,7 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         "import torch",
         "",
         *(["import rbcompile.kernels  # noqa: F401  (registers the fused kernels)"] if fused else []),
-        "from rbcompile.runtime.region_cache import RegionCache",
+        "from rbcompile.region_cache import RegionCache",
         "",
         "aten = torch.ops.aten",
         "prims = torch.ops.prims",

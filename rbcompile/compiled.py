@@ -15,9 +15,9 @@ from .errors import UserError, first_line
 from .ir import check_ir
 from .models import copy_tokenizer_files
 from .placement import check_same_dtype, parse_device, parse_dtype
-from .runtime.complexity import LengthRarityComplexity
-from .runtime.early_exit import RAMP_FILE, OffRamps
-from .runtime.plans import check_budget, plan_for_budget, skipped_share, width_shares
+from .input_complexity import LengthRarityComplexity
+from .offramps import RAMP_FILE, OffRamps
+from .plans import check_budget, plan_for_budget, skipped_share, width_shares
 
 from . import manifest as manifests
 from .manifest import CONFIG, GRAPH, MANIFEST, SCHEMA_VERSION, SOURCE, WEIGHTS

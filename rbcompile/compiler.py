@@ -54,7 +54,7 @@ CALIBRATION_DEFAULTS = {"decoder": {"samples": 8, "seq": 256, "batch": 4},
 
 def add_width_levels(compiled, ctx, eager, levels) -> None:
     """Trace the narrowed width levels and regenerate the module with their methods."""
-    from .runtime.plans import width_shares
+    from .plans import width_shares
     from .width import build_variant
 
     variants = []

@@ -14,7 +14,7 @@ from . import quality
 from .calibration_data import decoder_windows, load_labelled, load_texts, paragraphs
 from .errors import UserError
 from .progress import say
-from .runtime.plans import within_budget
+from .plans import within_budget
 
 DEFAULT_EVAL = Path(__file__).parent / "data" / "eval-tempest.txt"
 

@@ -63,7 +63,7 @@ def check_opset(opset) -> int:
 def baked_widths(compiled, budget: float | None) -> list[float] | None:
     """The widths of `budget`'s plan (None: no budget, or the plan narrows nothing)."""
     from .errors import UserError
-    from .runtime.plans import check_budget
+    from .plans import check_budget
     if budget is None:
         return None
     try:

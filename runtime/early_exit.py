@@ -15,31 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..offramps import OffRamps
 from ..quality import head_logits, mean_pool
 from .staged import StagedRunner
-
-RAMP_FILE = "offramps.safetensors"
-
-
-@dataclass
-class OffRamps:
-    layers: list[int]
-    ramps: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (weight, bias)
-    head: tuple[torch.Tensor, torch.Tensor]              # the task head on the full path
-    threshold: float = 1.0
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"head.weight": self.head[0], "head.bias": self.head[1]}
-        for layer, (weight, bias) in self.ramps.items():
-            out[f"ramp{layer}.weight"], out[f"ramp{layer}.bias"] = weight, bias
-        return {k: v.detach().contiguous() for k, v in out.items()}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict, layers: list[int], threshold: float) -> "OffRamps":
-        ramps = {layer: (tensors[f"ramp{layer}.weight"], tensors[f"ramp{layer}.bias"])
-                 for layer in layers}
-        return cls(list(layers), ramps, (tensors["head.weight"], tensors["head.bias"]), threshold)
-
 
 def default_ramp_layers(layers: list[int]) -> list[int]:
     """A ramp after every layer from the second to the one before last."""

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from .pid import PIDConfig, PIDController
-from .plans import check_budget
+from ..plans import check_budget
 
 FEATURES = ("memory", "input_length", "complexity", "queue_depth", "arrival_rate",
             "last_latency", "latency_p50", "latency_p99", "confidence_mean", "confidence_p10",

@@ -36,7 +36,7 @@ from ..errors import UserError
 from .complexity import Tiers
 from .executor import RowResult, TieredExecutor, confidence_of, pad_batch, plan_key
 from .monitors import DEFAULT_PERIOD_S, LatencyTracker, MonitorSampler, QualityMonitor, ResourceMonitor
-from .plans import check_budget
+from ..plans import check_budget
 from .policy import BasePolicy, Decision, PolicyState
 from .result_cache import ResultCache
 

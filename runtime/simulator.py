@@ -36,7 +36,7 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 
-from .plans import within_budget
+from ..plans import within_budget
 from .policy import FEATURES, BasePolicy, Decision, PolicyState
 from .workload import tidal_trace
 

@@ -18,7 +18,7 @@ import torch
 
 from ..codegen import method_name
 from ..errors import CompileError
-from .plans import level_for
+from ..plans import level_for
 
 
 @dataclass

@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from conftest import random_batch
-from rbcompile.runtime.complexity import LengthRarityComplexity
-from rbcompile.runtime.plans import plan_for_budget, skip_order, skipped_share
+from rbcompile.input_complexity import LengthRarityComplexity
+from rbcompile.plans import plan_for_budget, skip_order, skipped_share
 
 
 def gates_for_budget(regions, budget):
     return plan_for_budget(regions, budget)[0]
-from rbcompile.runtime.region_cache import RegionCache
+from rbcompile.region_cache import RegionCache
 
 
 def _regions(layers=6, split=True):
