@@ -19,7 +19,8 @@ Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`
 event-timed runs after warm-up; every contender's full path is checked against eager in the same
 dtype (rbcompile/placement.py tolerances). Contenders that would start after `--deadline-s` are
 skipped and listed. `--smoke` runs tiny configs (on CPU too) to test the script itself.
-Writes OUT_DIR/bench_gpu.json and prints a table.
+Writes OUT_DIR/bench_gpu.json after each case (a run killed at its time limit keeps the cases
+it finished) and prints a table.
 """
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ class Case:
         budget: median ms, and parity with eager (full path) or agreement (budgets)."""
         if label in self.skip or time.monotonic() > self.deadline:
             self.skipped.append(label)
-            print(f"  {self.name}/{label}: skipped (deadline)", flush=True)
+            why = "--skip" if label in self.skip else "deadline"
+            print(f"  {self.name}/{label}: skipped ({why})", flush=True)
             return
         torch._dynamo.reset()
         start = time.monotonic()
@@ -257,6 +259,7 @@ def main(argv=None):
         return 3
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     deadline = time.monotonic() + args.deadline_s
+    args.out.mkdir(parents=True, exist_ok=True)
     table = configs(args.smoke)
     results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -274,11 +277,10 @@ def main(argv=None):
             prefill_case(case, model, first, second, args)
         results["cases"][name] = {"shape": [first, second], "dtype": str(dtype), "rows": case.rows,
                                   "skipped": case.skipped}
+        (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=1))  # kept if killed
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=1))
     print_summary(results)
     return 0
 
@@ -298,7 +300,7 @@ def print_summary(results):
             print(f"  {name:<13} {r['contender']:<15} b={r['budget']:<4g} {r['ms']:9.3f} ms{tps} "
                   f"{ratio:>22}  {r['check']}")
         if case["skipped"]:
-            print(f"  {name:<13} skipped (deadline): {', '.join(case['skipped'])}")
+            print(f"  {name:<13} skipped (deadline or --skip): {', '.join(case['skipped'])}")
 
 
 if __name__ == "__main__":
