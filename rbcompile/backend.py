@@ -28,6 +28,7 @@ import torch
 from torch.fx import GraphModule
 
 from .compiler import generate_module
+from .cuda_graphs import GraphCache, plan_key
 from .module import compile_regions
 from .errors import CompileError, first_line
 from .ir import RESERVED_NAMES
@@ -215,15 +216,13 @@ class _Runner:
     """The callable aot_autograd runs: picks gates for each call, runs the generated module
     (with `cuda_graphs`, through the CUDA graph of that plan and those input shapes)."""
 
-    def __init__(self, module, positions, record: CompiledGraph, options: BackendOptions, plans,
-                 capture=None):
+    def __init__(self, module, positions, record: CompiledGraph, options: BackendOptions, plans):
         self.module, self.positions, self.record = module, positions, record
         self.options, self.plans = options, plans
         self.graphs = None
         if options.cuda_graphs:
-            from .cuda_graphs import GraphCache
             module.region_cache.enabled = False
-            self.graphs = GraphCache(module, max_graphs=options.max_graphs, capture=capture)
+            self.graphs = GraphCache(module, max_graphs=options.max_graphs)
 
     def _choose(self):
         chosen = _current.get() or GateDecision(self.options.budget)
@@ -246,8 +245,7 @@ class _Runner:
         with torch.no_grad():
             if self.graphs is not None and any(isinstance(v, torch.Tensor) and v.is_cuda
                                                for v in inputs):
-                key = (tuple(gates), None if widths is None else tuple(widths))
-                return list(self.graphs(key, *inputs, gates, widths))
+                return list(self.graphs(plan_key(gates, widths), *inputs, gates, widths))
             return list(self.module(*inputs, gates, widths))
 
 

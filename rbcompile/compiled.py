@@ -10,6 +10,7 @@ import torch
 from . import __version__
 from .atomic import write_folder
 from .codegen import generate_source
+from .cuda_graphs import GraphCache, plan_key
 from .module import attach_weights, compile_regions, instantiate
 from .errors import UserError, first_line
 from .ir import check_ir
@@ -104,7 +105,6 @@ class CompiledModel:
             return self
         if self.device.type != "cuda" and capture is None:
             raise UserError(f"CUDA graphs need the model on a CUDA device (it is on {self.device})")
-        from .cuda_graphs import GraphCache
 
         self.module.region_cache.enabled = False
         self._buckets = (tuple(sorted(batch_buckets)), seq_multiple)
@@ -124,8 +124,7 @@ class CompiledModel:
         mask = attention_mask.new_zeros(padded_batch, padded_seq)
         ids[:batch, :seq], mask[:batch, :seq] = input_ids, attention_mask
         mask[batch:] = 1  # filler rows attend to something: no all-masked softmax
-        key = (tuple(gates), None if widths is None else tuple(widths))
-        outputs = self.cuda_graphs(key, ids, mask, gates, widths)
+        outputs = self.cuda_graphs(plan_key(gates, widths), ids, mask, gates, widths)
         return [out[:batch, :seq] if out.dim() >= 2 and out.shape[:2] == (padded_batch, padded_seq)
                 else out[:batch] if out.dim() >= 1 and out.shape[0] == padded_batch else out
                 for out in outputs]

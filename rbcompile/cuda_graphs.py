@@ -76,6 +76,11 @@ def is_static_address(value) -> bool:
     return getattr(value, "_dynamo_static_input_type", None) is not None
 
 
+def plan_key(gates, widths) -> tuple:
+    """The part of a graph's key that names its plan: the gates and the widths."""
+    return tuple(gates), None if widths is None else tuple(widths)
+
+
 def _clone_outputs(outputs):
     if isinstance(outputs, torch.Tensor):
         return outputs.clone()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import rbcompile
-from conftest import TINY_VOCAB, make_tiny_model
+from conftest import make_tiny_model, random_batch
 from rbcompile import UserError, backend
 from rbcompile.placement import TOLERANCE, parse_device, parse_dtype, within_tolerance
 
@@ -13,11 +13,7 @@ HALF = [torch.bfloat16, torch.float16]
 
 
 def _inputs(batch=2, seq=11):
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, TINY_VOCAB, (batch, seq), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[-1, :3] = 0
-    return ids, mask
+    return random_batch(batch, seq, seed=3)
 
 
 def _first(output):
