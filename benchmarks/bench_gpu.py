@@ -19,8 +19,8 @@ Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`
 event-timed runs after warm-up; every contender's full path is checked against eager in the same
 dtype (rbcompile/placement.py tolerances). Contenders that would start after `--deadline-s` are
 skipped and listed. `--smoke` runs tiny configs (on CPU too) to test the script itself.
-Writes OUT_DIR/bench_gpu.json after each case (a run killed at its time limit keeps the cases
-it finished) and prints a table.
+Writes OUT_DIR/bench_gpu.json after each row (a run killed at its time limit keeps the rows it
+finished) and prints a table.
 """
 from __future__ import annotations
 
@@ -102,9 +102,11 @@ def first_tensor(out):
 class Case:
     """Runs contenders of one case, recording rows; skips those past the deadline."""
 
-    def __init__(self, name, deadline, device, runs):
+    def __init__(self, name, deadline, device, runs, warmup=3, save=lambda: None):
         self.name, self.deadline, self.device, self.runs = name, deadline, device, runs
+        self.warmup = warmup
         self.rows, self.skipped, self.skip = [], [], set()
+        self.save = save  # called after each row: a run killed at its limit keeps what it did
 
     def contender(self, label, setup, budgets=(None,)):
         """`setup()` -> (run(budget) -> output tensor or None, compile seconds). One row per
@@ -123,14 +125,16 @@ class Case:
             compile_s = time.monotonic() - start
             for budget in budgets:
                 out = run(budget) if budget is not None else first
-                ms = time_ms(lambda: run(budget), self.device, self.runs)
+                ms = time_ms(lambda: run(budget), self.device, self.runs, self.warmup)
                 self.rows.append(self.row(label, budget, ms, compile_s, out, reference))
                 print(f"  {self.name}/{label} budget {budget or 0:g}: {ms:.3f} ms "
                       f"(setup {compile_s:.0f} s) {self.rows[-1]['check']}", flush=True)
+                self.save()
         except Exception as exc:  # one contender failing must not lose the others' numbers
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             print(f"  {self.name}/{label}: FAILED {message}", flush=True)
             self.rows.append({"case": self.name, "contender": label, "error": message[:300]})
+            self.save()
 
     def row(self, label, budget, ms, compile_s, out, reference):
         from rbcompile.placement import within_tolerance
@@ -247,6 +251,8 @@ def main(argv=None):
                         "compiles BERT-base in ~50 s and SmolLM2-sized prefill in ~140 s on an "
                         "H200: too long for a short lease)")
     parser.add_argument("--runs", type=int, default=20, help="timed runs per contender")
+    parser.add_argument("--decode-runs", type=int, default=5,
+                        help="timed generate calls per decode contender (default 5)")
     parser.add_argument("--smoke", action="store_true", help="tiny configs (CPU allowed)")
     parser.add_argument("--skip", default="", help="comma-separated contenders not to run")
     args = parser.parse_args(argv)
@@ -264,20 +270,25 @@ def main(argv=None):
     results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "cases": {}}
+    def save():
+        (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=1))
+
     for name in cases:
         config, dtype, first, second = table[name]
         print(f"{name}: {config.model_type} hidden {config.hidden_size} x "
               f"{config.num_hidden_layers} layers, {str(dtype)[6:]}", flush=True)
-        case = Case(name, deadline, device, args.runs if not args.smoke else 3)
+        decode = name == "smol-decode"  # one generate warms up its 128 forward calls
+        runs = 3 if args.smoke else args.decode_runs if decode else args.runs
+        case = Case(name, deadline, device, runs, 1 if decode else 3, save)
         case.skip = set(args.skip.split(","))
+        results["cases"][name] = {"shape": [first, second], "dtype": str(dtype), "rows": case.rows,
+                                  "skipped": case.skipped}
         model = make_model(config, dtype, device)
-        if name == "smol-decode":
+        if decode:
             decode_case(case, model, first, second, args)
         else:
             prefill_case(case, model, first, second, args)
-        results["cases"][name] = {"shape": [first, second], "dtype": str(dtype), "rows": case.rows,
-                                  "skipped": case.skipped}
-        (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=1))  # kept if killed
+        save()
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
