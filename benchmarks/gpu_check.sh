@@ -58,7 +58,7 @@ step() {  # step NAME TIMEOUT_S COMMAND... : run, log to OUT/NAME.log, remember 
 rc=0
 for name in ${STEPS:-test_kernels bench_kernels bench_gpu}; do
     case $name in
-        tune_kernels) step tune_kernels 150 "$PY" benchmarks/tune_kernels.py --json "$OUT/tune_kernels.json" ;;
+        tune_kernels) PYTHONPATH="$PWD/benchmarks:${PYTHONPATH:-}" step tune_kernels 150 "$PY" benchmarks/tune_kernels.py --json "$OUT/tune_kernels.json" ;;
         test_kernels) step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -x ;;
         bench_kernels) step bench_kernels 120 "$PY" benchmarks/bench_kernels.py --csv "$OUT/bench_kernels.csv" ;;
         bench_gpu) step bench_gpu 330 "$PY" benchmarks/bench_gpu.py --out "$OUT" --deadline-s "${DEADLINE_S:-240}" \

@@ -11,9 +11,9 @@ Two families, two kinds of config (plain dicts, so that the table is JSON):
   it by at most 1/16): 576 -> 64, 384 -> 128, 768 -> 256, so no lane is padded; strided rows,
   broadcast rows and per-row gates stay plain 2-D indexing. `{"block": 2048, "warps": 4}`.
 
-`TABLE[kernel][str(width)]` holds first guesses, not yet measured (the kernels pass their native
-tests on an H200 with them); benchmarks/tune_kernels.py measures candidates on a GPU in bf16 at
-4096 rows and its `--json` output has exactly this layout (paste it over TABLE). Widths
+`TABLE[kernel][str(width)]` is benchmarks/tune_kernels.py's `--json` output from one H200
+(2026-12-04, torch 2.11, Triton 3.6, bf16, 4096 rows; `STEPS=tune_kernels
+benchmarks/gpu_check.sh OUT`): paste a new sweep over it. Widths
 not in the table take `heuristic()`. The configs are for many rows; with few (decode) a norm
 takes fewer rows per program, to keep MIN_PROGRAMS programs (one row each below that), a tile
 no more rows than there are, and the warps shrink with the block.
@@ -36,32 +36,32 @@ INTERPRETER_BLOCK = 1 << 17
 
 TABLE = {
     "rms_norm": {
-        "384": {"rows": 4, "warps": 4}, "576": {"rows": 2, "warps": 4},
-        "768": {"rows": 2, "warps": 4}, "2048": {"rows": 1, "warps": 4},
+        "384": {"rows": 2, "warps": 2}, "576": {"rows": 1, "warps": 2},
+        "768": {"rows": 2, "warps": 4}, "2048": {"rows": 2, "warps": 8},
         "4096": {"rows": 1, "warps": 8}},
     "add_rms_norm": {
-        "384": {"rows": 4, "warps": 4}, "576": {"rows": 2, "warps": 4},
+        "384": {"rows": 2, "warps": 2}, "576": {"rows": 1, "warps": 4},
         "768": {"rows": 2, "warps": 4}, "2048": {"rows": 1, "warps": 4},
         "4096": {"rows": 1, "warps": 8}},
     "layer_norm": {
         "384": {"rows": 4, "warps": 4}, "576": {"rows": 2, "warps": 4},
-        "768": {"rows": 2, "warps": 4}, "2048": {"rows": 1, "warps": 4},
-        "4096": {"rows": 1, "warps": 8}},
+        "768": {"rows": 1, "warps": 2}, "2048": {"rows": 1, "warps": 4},
+        "4096": {"rows": 1, "warps": 16}},
     "add_layer_norm": {
-        "384": {"rows": 4, "warps": 4}, "576": {"rows": 2, "warps": 4},
+        "384": {"rows": 2, "warps": 4}, "576": {"rows": 1, "warps": 4},
         "768": {"rows": 2, "warps": 4}, "2048": {"rows": 1, "warps": 4},
         "4096": {"rows": 1, "warps": 8}},
     "swiglu": {
-        "384": {"block": 2048, "warps": 4}, "576": {"block": 2048, "warps": 4},
-        "768": {"block": 2048, "warps": 4}, "2048": {"block": 2048, "warps": 4},
-        "4096": {"block": 2048, "warps": 4}},
+        "384": {"block": 2048, "warps": 4}, "576": {"block": 512, "warps": 1},
+        "768": {"block": 4096, "warps": 16}, "2048": {"block": 2048, "warps": 4},
+        "4096": {"block": 512, "warps": 2}},
     "gelu_bias": {
-        "384": {"block": 2048, "warps": 4}, "576": {"block": 2048, "warps": 4},
-        "768": {"block": 2048, "warps": 4}, "2048": {"block": 2048, "warps": 4},
-        "4096": {"block": 2048, "warps": 4}},
+        "384": {"block": 2048, "warps": 4}, "576": {"block": 512, "warps": 2},
+        "768": {"block": 512, "warps": 1}, "2048": {"block": 1024, "warps": 4},
+        "4096": {"block": 1024, "warps": 4}},
     "gated_residual": {
-        "384": {"block": 2048, "warps": 4}, "576": {"block": 2048, "warps": 4},
-        "768": {"block": 2048, "warps": 4}, "2048": {"block": 2048, "warps": 4},
+        "384": {"block": 4096, "warps": 16}, "576": {"block": 2048, "warps": 4},
+        "768": {"block": 2048, "warps": 4}, "2048": {"block": 2048, "warps": 8},
         "4096": {"block": 2048, "warps": 4}},
 }
 
