@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule, Node
 
+from ..architectures import Architecture, Dimensions
+
 # node.meta keys written by the passes
 DEPS = "rb_deps"          # frozenset of {"data", "mask", "shape"}: what the value depends on
 FLOPS = "rb_flops"        # matmul-class FLOPs at the reference shape
@@ -73,9 +75,10 @@ class Unit:
 class PassContext:
     """State shared by the passes of one compilation."""
     family: str                              # "decoder" | "encoder"
-    config: Any                              # the transformers config
     reference_inputs: dict[str, torch.Tensor]
     input_names: tuple[str, ...]
+    architecture: Architecture | None = None  # None: a torch.compile graph (no config)
+    dims: Dimensions | None = None           # the model's sizes (with `architecture`)
     blocks: list[Block] | None = None
     units: list[Unit] | None = None
     cache_candidates: dict[str, Any] | None = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
+from ..architectures import DECODER, all_kv_projections
 from .base import DEPS, KIND, PassContext, PassResult, compute_nodes, graph_pass, is_tensor
 
 
@@ -26,10 +27,10 @@ def _cacheable(node: Node) -> bool:
 
 def _kv_parameters(ctx: PassContext) -> list[dict]:
     out = []
+    parts = ctx.architecture.kv_projections if ctx.architecture else all_kv_projections()
     for unit in ctx.units:
-        if unit.kind in ("attention", "layer") and ctx.family == "decoder":
-            params = [p for p in unit.width["parameters"]
-                      if any(key in p for key in ("k_proj", "v_proj", "c_attn", "key", "value"))]
+        if unit.kind in ("attention", "layer") and ctx.family == DECODER:
+            params = [p for p in unit.width["parameters"] if any(part in p for part in parts)]
             out.append({"unit": unit.name, "parameters": params})
     return out
 

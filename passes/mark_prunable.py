@@ -12,27 +12,14 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from ..architectures import Dimensions
+
 from .base import (KIND, UNIT, PassContext, PassResult, Unit, compute_nodes, graph_pass,
                    module_path)
 
 aten = torch.ops.aten
 _ATTENTION = {aten.scaled_dot_product_attention.default, aten._softmax.default,
               aten.softmax.int}
-
-
-def _attention_width(config) -> dict:
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    return {"heads": heads,
-            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(config, "head_dim", None) or hidden // heads}
-
-
-def _mlp_width(config) -> dict:
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    channels = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-                or 4 * hidden)
-    return {"channels": channels}
 
 
 def _parameters(nodes: list[Node]) -> list[str]:
@@ -62,14 +49,14 @@ def _out_projections(kind: str, nodes: list[Node]) -> dict[str, str]:
     return out
 
 
-def _width(kind: str, config, nodes: list[Node]) -> dict:
-    """Head / channel counts (from the config; none for a graph from torch.compile, which has
-    no config and no width levels) and the parameters they live in."""
+def _width(kind: str, dims: Dimensions | None, nodes: list[Node]) -> dict:
+    """Head / channel counts (from the model's dimensions; none for a graph from torch.compile,
+    which has no config and no width levels) and the parameters they live in."""
     width = {}
-    if kind in ("attention", "layer") and config is not None:
-        width.update(_attention_width(config))
-    if kind in ("mlp", "layer") and config is not None:
-        width.update(_mlp_width(config))
+    if kind in ("attention", "layer") and dims is not None:
+        width.update(heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim)
+    if kind in ("mlp", "layer") and dims is not None:
+        width["channels"] = dims.channels
     width["parameters"] = _parameters(nodes)
     width.update(_out_projections(kind, nodes))
     return width
@@ -87,13 +74,13 @@ def mark_prunable(gm: GraphModule, ctx: PassContext) -> PassResult:
                 units.append(Unit(f"{block.module_path}.{branch.name}", branch.kind, block.index,
                                   branch.module_path, branch.nodes, branch.stream_in,
                                   branch.stream_out,
-                                  _width(branch.kind, ctx.config, branch.nodes)))
+                                  _width(branch.kind, ctx.dims, branch.nodes)))
         elif block.cache_outputs:
             cache_writers.append(block.nodes)
         else:
             units.append(Unit(block.module_path, "layer", block.index, block.module_path,
                               block.nodes, block.stream_in, block.stream_out,
-                              _width("layer", ctx.config, block.nodes)))
+                              _width("layer", ctx.dims, block.nodes)))
     for unit in units:
         for node in unit.nodes:
             node.meta[KIND] = "prunable"

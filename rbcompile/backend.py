@@ -253,7 +253,7 @@ def _compile_aten(aten_gm: GraphModule, names, values, options: BackendOptions,
                   record: CompiledGraph):
     gm, input_names, positions, references = to_pipeline_graph(aten_gm, names, values)
     on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
-    ctx = PassContext(family=_family(gm), config=None, reference_inputs=references,
+    ctx = PassContext(family=_family(gm), reference_inputs=references,
                       input_names=input_names, dump_pass=options.dump_pass,
                       kernels=on_cuda if options.kernels is None else options.kernels)
     run_pipeline(gm, ctx)

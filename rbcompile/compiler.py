@@ -11,14 +11,14 @@ from .codegen import generate_source
 from .errors import UserError
 from .ir import build_ir
 from .module import attach_weights, instantiate
-from .models import (checkpoint_sha256, load_hf_model, load_tokenizer, model_family,
-                     resolve_checkpoint)
+from .architectures import lookup
+from .models import checkpoint_sha256, load_hf_model, load_tokenizer, resolve_checkpoint
 from .passes import CALIBRATED_PIPELINE, PIPELINE, PassContext, run_pipeline
 from .passes.annotate_flops import REFERENCE_SEQ
 from .progress import say, step
 from .width import DEFAULT_LEVELS
 from .placement import dtype_name, parse_device, parse_dtype
-from .trace import INPUT_NAMES, example_inputs, model_placement, trace
+from .trace import example_inputs, model_placement, trace
 
 
 def generate_module(gm, regions: list[dict], input_names, output_names, title: str):
@@ -32,12 +32,12 @@ def generate_module(gm, regions: list[dict], input_names, output_names, title: s
 
 
 def architecture_summary(model) -> dict:
-    config = model.config
-    return {"model_type": config.model_type, "family": model_family(config.to_dict()),
-            "class": type(model).__name__,
-            "layers": getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer"),
-            "hidden_size": getattr(config, "hidden_size", None) or getattr(config, "n_embd"),
-            "vocab_size": config.vocab_size}
+    """The manifest's `architecture` section."""
+    architecture = lookup(model.config)
+    dims = architecture.dimensions(model.config)
+    return {"model_type": architecture.model_type, "family": architecture.family,
+            "class": type(model).__name__, "layers": dims.layers, "hidden_size": dims.hidden,
+            "vocab_size": dims.vocab}
 
 
 def _state_sha256(model: torch.nn.Module) -> str:
@@ -168,21 +168,24 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
         source = {"name": str(model_or_path), "path": str(checkpoint.resolve()),
                   "sha256": checkpoint_sha256(checkpoint)}
     model_device, model_dtype = model_placement(model)
+    architecture = lookup(model.config)
     arch = architecture_summary(model)
     arch["dtype"] = dtype_name(model_dtype)
     with step(f"tracing {arch['class']} with torch.export (dynamic batch and sequence)"):
-        traced = trace(model, arch["family"])
+        traced = trace(model, architecture)
     arch["max_positions"] = traced.max_positions
-    reference = example_inputs(model.config.vocab_size, batch=1,
+    reference = example_inputs(architecture, arch["vocab_size"], batch=1,
                                seq=min(REFERENCE_SEQ, traced.max_positions), device=model_device)
-    reference["attention_mask"].fill_(1)
-    ctx = PassContext(family=arch["family"], config=model.config, reference_inputs=reference,
-                      input_names=INPUT_NAMES, dump_pass=dump_pass, kernels=kernels)
+    reference[architecture.mask_input].fill_(1)
+    ctx = PassContext(family=architecture.family, reference_inputs=reference,
+                      input_names=traced.input_names, architecture=architecture,
+                      dims=architecture.dimensions(model.config), dump_pass=dump_pass,
+                      kernels=kernels)
     gm = traced.graph_module
     with step(f"running {len(PIPELINE)} passes"):
         run_pipeline(gm, ctx)
     ir, source_code, module = generate_module(
-        gm, ctx.regions, INPUT_NAMES, traced.output_names,
+        gm, ctx.regions, traced.input_names, traced.output_names,
         f"{source['name']} ({arch['class']}, rbcompile {__version__})")
     manifest = {"source": source, "architecture": arch, "passes": ctx.history,
                 "cache_candidates": ctx.cache_candidates}

@@ -20,18 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .architectures import DECODER, lookup
 from .errors import UserError, first_line
 from .progress import step
-
-# model_type -> (family, is_decoder). Families share one structural description in the passes.
-SUPPORTED_ARCHITECTURES = {
-    "llama": "decoder",
-    "mistral": "decoder",
-    "qwen2": "decoder",
-    "gpt2": "decoder",
-    "bert": "encoder",
-}
-
 
 def cache_dir() -> Path:
     """Where converted checkpoints are kept (RBCOMPILE_CACHE, default ~/.cache/rbcompile)."""
@@ -132,20 +123,9 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def model_family(config: dict) -> str:
-    """'decoder' or 'encoder' for supported architectures; a UserError naming it otherwise."""
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        arch = ",".join(config.get("architectures") or []) or "?"
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise UserError(f"unsupported architecture: model_type={model_type!r} ({arch}); "
-                        f"supported: {supported}")
-    return SUPPORTED_ARCHITECTURES[model_type]
-
-
 def validate_checkpoint(path: Path) -> None:
     """Check config.json, the architecture and every safetensors file (header and size)."""
-    model_family(read_config(path))
+    lookup(read_config(path))
     weight_files = sorted(path.glob("*.safetensors"))
     if not weight_files:
         extra = " (pickle .bin weights are not loaded)" if any(path.glob("*.bin")) else ""
@@ -180,8 +160,8 @@ def load_hf_model(path: Path, dtype=None):
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
-    family = model_family(read_config(path))
-    auto = AutoModelForCausalLM if family == "decoder" else AutoModel
+    family = lookup(read_config(path)).family
+    auto = AutoModelForCausalLM if family == DECODER else AutoModel
     with library_output():
         try:
             model = auto.from_pretrained(path, dtype=dtype or torch.float32,

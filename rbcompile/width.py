@@ -15,11 +15,11 @@ import math
 
 import torch
 
+from .architectures import CHANNELS, KV_HEADS, QUERY_HEADS
 from .errors import CompileError
 from .ir import build_ir
 from .passes import PassContext, run_pipeline
-from .passes.permute_width import FAMILY_OF, PERMUTATION_SPECS
-from .trace import INPUT_NAMES, trace
+from .trace import trace
 
 DEFAULT_LEVELS = (0.75, 0.5)
 
@@ -34,9 +34,9 @@ def kept_counts(unit, ratio: float) -> dict[str, int]:
     if "heads" in unit.width:
         kv, heads, dim = unit.width["kv_heads"], unit.width["heads"], unit.width["head_dim"]
         groups = max(1, math.ceil(ratio * kv))
-        counts.update(q=groups * (heads // kv) * dim, kv=groups * dim)
+        counts[QUERY_HEADS], counts[KV_HEADS] = groups * (heads // kv) * dim, groups * dim
     if "channels" in unit.width:
-        counts["channels"] = max(1, math.ceil(ratio * unit.width["channels"]))
+        counts[CHANNELS] = max(1, math.ceil(ratio * unit.width["channels"]))
     return counts
 
 
@@ -58,10 +58,10 @@ def _narrow_parameter(model, name: str, axis: int, length: int) -> None:
         module.nf = length
 
 
-def narrowed_model(eager, weights: dict[str, torch.Tensor], units, blocks, ratio: float):
+def narrowed_model(eager, weights: dict[str, torch.Tensor], architecture, units, blocks,
+                   ratio: float):
     """A copy of the model holding the (permuted) weights, each unit narrowed to `ratio`;
     returns (model, {parameter key: (axis, length)})."""
-    spec = PERMUTATION_SPECS[FAMILY_OF[eager.config.model_type]]
     model = copy.deepcopy(eager)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -72,15 +72,16 @@ def narrowed_model(eager, weights: dict[str, torch.Tensor], units, blocks, ratio
         counts = kept_counts(unit, ratio)
         block_path = blocks[unit.layer].module_path
         for part in ("heads", "channels"):
-            entries = spec[part] if part in unit.width else []
-            if any(fused > 1 for *_, fused in entries):
+            entries = architecture.width_parameters(part) if part in unit.width else ()
+            if any(param.fused > 1 for param in entries):
                 continue  # fused q/k/v: a prefix would not be a view
-            for suffix, axis, space, _ in entries:
-                name = f"{block_path}.{suffix}"
+            for param in entries:
+                name = f"{block_path}.{param.suffix}"
                 tensor = _parameter(model, name)
-                if tensor is not None and counts[space] < tensor.shape[axis]:
-                    _narrow_parameter(model, name, axis, counts[space])
-                    views[name] = (axis, counts[space])
+                length = counts[param.space]
+                if tensor is not None and length < tensor.shape[param.axis]:
+                    _narrow_parameter(model, name, param.axis, length)
+                    views[name] = (param.axis, length)
     return model.eval(), views
 
 
@@ -88,14 +89,15 @@ def build_variant(eager, compiled, ctx, ratio: float) -> dict | None:
     """Trace the model at width `ratio` and return the IR of its narrowed prunable regions."""
     weights = {key: compiled.module.get_buffer(name)
                for name, key in compiled.module.PARAMETERS.items()}
-    model, views = narrowed_model(eager, weights, ctx.units, ctx.blocks, ratio)
+    model, views = narrowed_model(eager, weights, ctx.architecture, ctx.units, ctx.blocks, ratio)
     if not views:
         return None
-    traced = trace(model, ctx.family)
-    vctx = PassContext(family=ctx.family, config=ctx.config, input_names=INPUT_NAMES,
-                       reference_inputs=ctx.reference_inputs, kernels=ctx.kernels)
+    traced = trace(model, ctx.architecture)
+    vctx = PassContext(family=ctx.family, input_names=traced.input_names,
+                       reference_inputs=ctx.reference_inputs, architecture=ctx.architecture,
+                       dims=ctx.dims, kernels=ctx.kernels)
     run_pipeline(traced.graph_module, vctx)
-    vir = build_ir(traced.graph_module, vctx.regions, INPUT_NAMES, traced.output_names)
+    vir = build_ir(traced.graph_module, vctx.regions, traced.input_names, traced.output_names)
     full_by_name = {r["name"]: r for r in compiled.regions if r["kind"] == "prunable"}
     label = level_label(ratio)
     full_params = compiled.ir["parameters"]

@@ -5,18 +5,20 @@ import torch
 from conftest import make_tiny_model
 from rbcompile.passes import PIPELINE, PassContext, run_pipeline
 from rbcompile.passes.base import KIND, REGION, UNIT, compute_nodes, module_path
-from rbcompile.trace import INPUT_NAMES, example_inputs, trace
+from rbcompile.architectures import lookup
+from rbcompile.trace import example_inputs, trace
 
 aten = torch.ops.aten
 
 
 def _run(arch: str, passes=PIPELINE, **ctx_kwargs):
     model = make_tiny_model(arch)
-    family = "encoder" if arch == "bert" else "decoder"
-    traced = trace(model, family)
-    ctx = PassContext(family=family, config=model.config, input_names=INPUT_NAMES,
-                      reference_inputs=example_inputs(model.config.vocab_size, batch=1, seq=16),
-                      **ctx_kwargs)
+    architecture = lookup(model.config)
+    traced = trace(model, architecture)
+    reference = example_inputs(architecture, model.config.vocab_size, batch=1, seq=16)
+    ctx = PassContext(family=architecture.family, input_names=traced.input_names,
+                      reference_inputs=reference, architecture=architecture,
+                      dims=architecture.dimensions(model.config), **ctx_kwargs)
     run_pipeline(traced.graph_module, ctx, passes)
     return traced.graph_module, ctx
 
@@ -28,7 +30,7 @@ def llama():
 
 def test_every_llama_layer_has_prunable_layer_attention_and_mlp(llama):
     gm, ctx = llama
-    layers = ctx.config.num_hidden_layers
+    layers = ctx.dims.layers
     units = {(u.layer, u.kind): u for u in ctx.units}
     assert set(units) == {(i, k) for i in range(layers) for k in ("attention", "mlp")}
     for node in compute_nodes(gm):
@@ -67,7 +69,7 @@ def test_rotary_tables_and_mask_are_cache_reuse(llama):
     assert aten.linear.default not in cache_ops and aten.embedding.default not in cache_ops
     (cache_region,) = [r for r in ctx.regions if r["kind"] == "cache"]
     assert "attention_mask" in cache_region["inputs"]
-    assert len(ctx.cache_candidates["prefix_kv"]) == ctx.config.num_hidden_layers
+    assert len(ctx.cache_candidates["prefix_kv"]) == ctx.dims.layers
 
 
 def test_regions_are_contiguous_and_ordered(llama):
@@ -87,7 +89,7 @@ def test_canonicalize_removes_asserts_and_identities(llama):
     targets = {n.target for n in compute_nodes(gm)}
     assert not targets & {aten._assert_tensor_metadata.default, aten.alias.default,
                           aten.dropout.default}
-    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == list(INPUT_NAMES)
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["input_ids", "attention_mask"]
     assert [h["pass"] for h in ctx.history] == [p.pass_name for p in PIPELINE]
 
 
@@ -95,7 +97,7 @@ def test_canonicalize_removes_asserts_and_identities(llama):
 def test_pre_ln_gpt2_splits_branches_post_ln_bert_keeps_layers(arch, kinds):
     _, ctx = _run(arch)
     assert {u.kind for u in ctx.units} == kinds
-    assert len({u.layer for u in ctx.units}) == ctx.config.num_hidden_layers
+    assert len({u.layer for u in ctx.units}) == ctx.dims.layers
 
 
 def test_width_units_are_recorded(llama):

@@ -1,0 +1,152 @@
+"""What rbcompile knows about each model type it compiles: one `Architecture` record each.
+
+Everything the compiler needs beyond the traced graph lives here (the graph itself tells the
+passes where blocks, residual adds, attention and matmuls are):
+- `family`: decoder (causal LM, `AutoModelForCausalLM`) or encoder (`AutoModel`);
+- `inputs`: the traced inputs, in order, and which one is the attention mask;
+- `config`: which config attributes hold the dimensions (`dimensions(config)` reads them);
+- `heads` / `channels`: the parameters (under a block's path) that hold attention heads and MLP
+  channels, with the axis and index space they are laid out on, for importance permutation
+  and elastic width;
+- `kv_projections`: name parts of the key / value projections (prefix K/V cache candidates).
+
+Adding an architecture is one record in REGISTRY plus a tiny-config case in
+tests/test_architectures.py; `lookup` refuses any other model type with a message that says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import UserError
+
+DECODER, ENCODER = "decoder", "encoder"
+# the index spaces a width parameter is laid out on
+QUERY_HEADS, KV_HEADS, CHANNELS = "q", "kv", "channels"
+
+
+@dataclass(frozen=True)
+class WidthParameter:
+    """A parameter holding heads or channels: `suffix` under the block's module path, the
+    `axis` they lie on, their index `space`, and `fused` blocks side by side (GPT-2's q/k/v)."""
+    suffix: str
+    axis: int
+    space: str
+    fused: int = 1
+
+
+@dataclass(frozen=True)
+class ConfigNames:
+    """Config attributes of each dimension, first present wins."""
+    layers: tuple[str, ...] = ("num_hidden_layers",)
+    hidden: tuple[str, ...] = ("hidden_size",)
+    heads: tuple[str, ...] = ("num_attention_heads",)
+    kv_heads: tuple[str, ...] = ("num_key_value_heads",)  # absent: as many as query heads
+    head_dim: tuple[str, ...] = ("head_dim",)             # absent: hidden / heads
+    channels: tuple[str, ...] = ("intermediate_size",)    # absent: 4 x hidden
+    positions: tuple[str, ...] = ("max_position_embeddings",)
+
+
+@dataclass(frozen=True)
+class Dimensions:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    channels: int
+    max_positions: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    family: str
+    heads: tuple[WidthParameter, ...]
+    channels: tuple[WidthParameter, ...]
+    kv_projections: tuple[str, ...]
+    config: ConfigNames = ConfigNames()
+    inputs: tuple[str, ...] = ("input_ids", "attention_mask")
+    mask_input: str = "attention_mask"
+
+    def dimensions(self, config) -> Dimensions:
+        """The model's sizes from its transformers config (or config.json as a dict)."""
+        read = config.get if isinstance(config, dict) else lambda n, d=None: getattr(config, n, d)
+
+        def first(names, default=None):
+            return next((read(n) for n in names if read(n) is not None), default)
+
+        hidden, heads = first(self.config.hidden), first(self.config.heads)
+        if not isinstance(hidden, int) or not isinstance(heads, int) or heads < 1:
+            raise UserError(f"{self.model_type} config lacks hidden size / attention heads "
+                            f"({self.config.hidden[0]}, {self.config.heads[0]})")
+        return Dimensions(layers=first(self.config.layers), hidden=hidden, heads=heads,
+                          kv_heads=first(self.config.kv_heads, heads),
+                          head_dim=first(self.config.head_dim, hidden // heads),
+                          channels=first(self.config.channels, 4 * hidden),
+                          max_positions=first(self.config.positions, 4096),
+                          vocab=read("vocab_size"))
+
+    def width_parameters(self, part: str) -> tuple[WidthParameter, ...]:
+        """The parameters of `part` ("heads" or "channels")."""
+        return {"heads": self.heads, "channels": self.channels}[part]
+
+
+def _projections(prefix: str, names, axis: int, space: str):
+    """Weight and bias of each projection `prefix.name` (a missing bias is skipped later)."""
+    return tuple(WidthParameter(f"{prefix}.{name}.{tensor}", axis, space) for name in names
+                 for tensor in ("weight", "bias"))
+
+
+LLAMA = Architecture(
+    model_type="llama", family=DECODER,
+    heads=(_projections("self_attn", ["q_proj"], 0, QUERY_HEADS)
+           + _projections("self_attn", ["k_proj", "v_proj"], 0, KV_HEADS)
+           + (WidthParameter("self_attn.o_proj.weight", 1, QUERY_HEADS),)),
+    channels=(_projections("mlp", ["gate_proj", "up_proj"], 0, CHANNELS)
+              + (WidthParameter("mlp.down_proj.weight", 1, CHANNELS),)),
+    kv_projections=("k_proj", "v_proj"))
+
+GPT2 = Architecture(  # transformers' Conv1D stores weights as [in, out]
+    model_type="gpt2", family=DECODER,
+    heads=(WidthParameter("attn.c_attn.weight", 1, QUERY_HEADS, fused=3),
+           WidthParameter("attn.c_attn.bias", 0, QUERY_HEADS, fused=3),
+           WidthParameter("attn.c_proj.weight", 0, QUERY_HEADS)),
+    channels=(WidthParameter("mlp.c_fc.weight", 1, CHANNELS),
+              WidthParameter("mlp.c_fc.bias", 0, CHANNELS),
+              WidthParameter("mlp.c_proj.weight", 0, CHANNELS)),
+    kv_projections=("c_attn",),
+    config=ConfigNames(layers=("n_layer",), hidden=("n_embd",), heads=("n_head",), kv_heads=(),
+                       head_dim=(), channels=("n_inner",), positions=("n_positions",)))
+
+BERT = Architecture(
+    model_type="bert", family=ENCODER,
+    heads=(_projections("attention.self", ["query", "key", "value"], 0, QUERY_HEADS)
+           + (WidthParameter("attention.output.dense.weight", 1, QUERY_HEADS),)),
+    channels=(_projections("intermediate", ["dense"], 0, CHANNELS)
+              + (WidthParameter("output.dense.weight", 1, CHANNELS),)),
+    kv_projections=("key", "value"))
+
+REGISTRY: dict[str, Architecture] = {
+    arch.model_type: arch for arch in (
+        LLAMA, dataclasses.replace(LLAMA, model_type="mistral"),
+        dataclasses.replace(LLAMA, model_type="qwen2"), GPT2, BERT)}
+
+
+def lookup(config) -> Architecture:
+    """The record of a transformers config (object or config.json dict); a UserError naming
+    the model type, the supported ones and where to add a record otherwise."""
+    read = config.get if isinstance(config, dict) else lambda n, d=None: getattr(config, n, d)
+    model_type = read("model_type")
+    if model_type in REGISTRY:
+        return REGISTRY[model_type]
+    classes = ",".join(read("architectures", None) or []) or "?"
+    raise UserError(f"unsupported architecture: model_type={model_type!r} ({classes}); "
+                    f"supported: {', '.join(sorted(REGISTRY))}; adding one is an Architecture "
+                    "record in rbcompile/architectures.py")
+
+
+def all_kv_projections() -> tuple[str, ...]:
+    """K/V projection name parts of every record (graphs from torch.compile carry no config)."""
+    return tuple(sorted({part for arch in REGISTRY.values() for part in arch.kv_projections}))
