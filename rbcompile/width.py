@@ -85,10 +85,10 @@ def narrowed_model(eager, weights: dict[str, torch.Tensor], architecture, units,
     return model.eval(), views
 
 
-def build_variant(eager, compiled, ctx, ratio: float) -> dict | None:
-    """Trace the model at width `ratio` and return the IR of its narrowed prunable regions."""
-    weights = {key: compiled.module.get_buffer(name)
-               for name, key in compiled.module.PARAMETERS.items()}
+def build_variant(eager, ir: dict, weights: dict[str, torch.Tensor], ctx,
+                  ratio: float) -> dict | None:
+    """Trace the model at width `ratio` and return the IR of its narrowed prunable regions
+    (`ir`: the full graph's; `weights`: the tensors the artifact stores, by key)."""
     model, views = narrowed_model(eager, weights, ctx.architecture, ctx.units, ctx.blocks, ratio)
     if not views:
         return None
@@ -98,12 +98,12 @@ def build_variant(eager, compiled, ctx, ratio: float) -> dict | None:
                        dims=ctx.dims, kernels=ctx.kernels)
     run_pipeline(traced.graph_module, vctx)
     vir = build_ir(traced.graph_module, vctx.regions, traced.input_names, traced.output_names)
-    full_by_name = {r["name"]: r for r in compiled.regions if r["kind"] == "prunable"}
+    full_by_name = {r["name"]: r for r in ir["regions"] if r["kind"] == "prunable"}
     label = level_label(ratio)
-    full_params = compiled.ir["parameters"]
+    full_params = ir["parameters"]
     full_names = {key: name for name, key in full_params.items()}
     regions, region_map, parameters, renamed = {}, {}, {}, {}
-    prunable_flops = sum(r["flops"] for r in compiled.regions if r["kind"] == "prunable")
+    prunable_flops = sum(r["flops"] for r in ir["regions"] if r["kind"] == "prunable")
     for region in vctx.regions:
         if region["kind"] != "prunable":
             continue
