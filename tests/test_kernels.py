@@ -13,10 +13,9 @@ import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rbcompile.kernels import OPS, REFERENCES, _triton, configs, gated_residual, gelu
-from rbcompile.kernels import head_attention, layer_norm, rms_norm, swiglu
+from rbcompile.kernels import layer_norm, rms_norm, swiglu
 
 needs_triton = pytest.mark.skipif(not _triton.AVAILABLE, reason="triton not installed")
 if _triton.AVAILABLE and not _triton.interpreting() and not torch.cuda.is_available():
@@ -162,8 +161,6 @@ def test_cuda_dispatch_registered_and_used():
     for name in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu",
                  "gelu_bias", "gated_residual"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"rbcompile::{name}", "CUDA"), name
-    assert not torch._C._dispatch_has_kernel_for_dispatch_key("rbcompile::head_slice_attention",
-                                                              "CUDA")
     if DEVICE != "cuda":
         return
     for label, name, launcher, _, args in cases((3, 37, 576), torch.bfloat16):
@@ -187,11 +184,10 @@ def test_imports_without_triton():
 class AllOps(torch.nn.Module):
     """Every op once, chained the way a block would use them."""
 
-    def __init__(self, hidden=32, heads=4, kv_heads=2):
+    def __init__(self, hidden=32):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(hidden))
         self.b = torch.nn.Parameter(torch.randn(hidden))
-        self.heads, self.kv_heads = heads, kv_heads
 
     def forward(self, x, residual, gate):
         return self.run(OPS, x, residual, gate)
@@ -206,16 +202,11 @@ class AllOps(torch.nn.Module):
         h, residual = ops.add_layer_norm.default(h, residual, self.w, self.b, 1e-5)
         h = ops.swiglu.default(h, residual)
         h = ops.gelu_bias.default(h, self.b, "tanh")
-        h = ops.gated_residual.default(residual, h, gate)
-        batch, seq, hidden = h.shape
-        q = h.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2)
-        kv = h[..., : hidden // 2].reshape(batch, seq, self.kv_heads, -1).transpose(1, 2)
-        attn = ops.head_slice_attention.default(q, kv, kv, None, 2, 0.5, True)
-        return h, attn
+        return ops.gated_residual.default(residual, h, gate), residual
 
 
 ALL_OP_NAMES = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu", "gelu_bias",
-                "gated_residual", "head_slice_attention"}
+                "gated_residual"}
 
 
 def all_ops_inputs():
@@ -248,12 +239,9 @@ def test_ops_in_torch_compile_fullgraph():
 def test_fake_impl_shapes_and_dtypes(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    q, k = torch.randn(2, 8, 5, 16, dtype=dtype), torch.randn(2, 4, 5, 16, dtype=dtype)
     eager = [(label, name, reference, tuple(a.cpu() if isinstance(a, torch.Tensor) else a
                                             for a in args))
              for label, name, _, reference, args in cases((3, 37, 96), dtype)]
-    eager.append(("head_slice_attention", "head_slice_attention",
-                  head_attention.head_slice_attention_reference, (q, k, k, None, 4, 0.25, True)))
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         for label, name, reference, args in eager:
             fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
@@ -280,52 +268,6 @@ def test_gated_residual_rows_take_or_skip():
     for value in (0.0, 1.0):
         out = gated_residual.gated_residual_triton(h, f, torch.tensor(value))
         assert torch.equal(out, h + f if value else h)
-
-
-class RecordOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append((func, args))
-        return func(*args, **(kwargs or {}))
-
-
-def storage(t):
-    return t.untyped_storage().data_ptr()
-
-
-@pytest.mark.parametrize("kv_heads", [8, 4], ids=["mha", "gqa"])
-@pytest.mark.parametrize("masked", [False, True, "per-head"], ids=["causal", "mask", "head-mask"])
-def test_head_slice_attention(kv_heads, masked):
-    torch.manual_seed(0)
-    batch, q_heads, seq, dim, heads = 2, 8, 6, 16, 4
-    # HF layout: projections viewed [batch, seq, heads, dim] and transposed (not contiguous)
-    q = torch.randn(batch, seq, q_heads, dim).transpose(1, 2)
-    k = torch.randn(batch, seq, kv_heads, dim).transpose(1, 2)
-    v = torch.randn(batch, seq, kv_heads, dim).transpose(1, 2)
-    mask = torch.randn(batch, q_heads if masked == "per-head" else 1, seq, seq) if masked else None
-    kept = heads * kv_heads // q_heads
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :heads].contiguous(), k[:, :kept].contiguous(), v[:, :kept].contiguous(),
-        attn_mask=None if mask is None else mask[:, :heads], scale=0.3, is_causal=not masked,
-        enable_gqa=kept != heads)
-    out = OPS.head_slice_attention(q, k, v, mask, heads, 0.3, not masked)
-    torch.testing.assert_close(out, expected)
-    assert out.shape == (batch, heads, seq, dim)
-
-    with RecordOps() as record:
-        head_attention.head_slice_attention_reference(q, k, v, mask, heads, 0.3, not masked)
-    names = [str(func) for func, _ in record.calls]
-    copies = [n for n in names if any(word in n for word in
-                                      ("clone", "copy", "contiguous", "repeat", "index", "cat"))]
-    assert not copies, names
-    attention = [args for func, args in record.calls if "scaled_dot_product" in str(func)]
-    assert len(attention) == 1, names
-    for given, original in zip(attention[0][:3], (q, k, v), strict=True):
-        assert storage(given) == storage(original)  # a view of the caller's tensor
-        assert given.data_ptr() == original.data_ptr()  # the first heads: same start
 
 
 SM90_COMPILE = r'''
