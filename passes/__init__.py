@@ -14,7 +14,7 @@ from torch.fx import GraphModule
 
 from .annotate_dependencies import annotate_dependencies
 from .annotate_flops import annotate_flops
-from .base import PassContext, PassResult, check_facts
+from .base import PassContext, PassReport, check_facts
 from .canonicalize import canonicalize
 from .discover_blocks import discover_blocks
 from .form_regions import form_regions
@@ -43,7 +43,7 @@ CALIBRATED_PIPELINE = [
     permute_width,
 ]
 
-__all__ = ["CALIBRATED_PIPELINE", "PIPELINE", "PassContext", "PassResult", "run_pipeline"]
+__all__ = ["CALIBRATED_PIPELINE", "PIPELINE", "PassContext", "PassReport", "run_pipeline"]
 
 
 def _dump(gm: GraphModule, ctx: PassContext, name: str, when: str) -> None:

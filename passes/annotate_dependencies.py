@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import DEPS, PassContext, PassResult, compute_nodes, graph_pass
+from .base import DEPS, PassContext, PassReport, compute_nodes, graph_pass
 
 aten = torch.ops.aten
 _SIZE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
@@ -27,7 +27,7 @@ def _inputs(node: Node) -> list[Node]:
 
 
 @graph_pass(ensures=("meta:" + DEPS,))
-def annotate_dependencies(gm: GraphModule, ctx: PassContext) -> PassResult:
+def annotate_dependencies(gm: GraphModule, ctx: PassContext) -> PassReport:
     counts = {"data": 0, "mask": 0, "position": 0, "shape-only": 0, "constant": 0}
     for node in gm.graph.nodes:
         if node.op == "placeholder":  # a symbolic size (torch.compile graphs) is a shape
@@ -52,5 +52,5 @@ def annotate_dependencies(gm: GraphModule, ctx: PassContext) -> PassResult:
             else:
                 counts["constant"] += 1
     total = len(compute_nodes(gm))
-    return PassResult(True, f"{total} nodes: " + ", ".join(f"{v} {k}" for k, v in counts.items()),
+    return PassReport(True, f"{total} nodes: " + ", ".join(f"{v} {k}" for k, v in counts.items()),
                       counts)

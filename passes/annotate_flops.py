@@ -10,7 +10,7 @@ import torch
 from torch.fx import GraphModule, Interpreter
 from torch.utils.flop_counter import FlopCounterMode
 
-from .base import FLOPS, SHAPE, PassContext, PassResult, compute_nodes, graph_pass
+from .base import FLOPS, SHAPE, PassContext, PassReport, compute_nodes, graph_pass
 
 REFERENCE_SEQ = 128
 
@@ -28,11 +28,11 @@ class _FlopInterpreter(Interpreter):
 
 
 @graph_pass(ensures=("meta:" + FLOPS,))
-def annotate_flops(gm: GraphModule, ctx: PassContext) -> PassResult:
+def annotate_flops(gm: GraphModule, ctx: PassContext) -> PassReport:
     inputs = [ctx.reference_inputs[name] for name in ctx.input_names]
     with torch.no_grad():
         _FlopInterpreter(gm).run(*inputs)
     total = sum(n.meta[FLOPS] for n in compute_nodes(gm))
     seq = next(x.shape[1] for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 2)
-    return PassResult(False, f"{total / 1e9:.3f} GFLOPs per forward at batch 1 x {seq} tokens",
+    return PassReport(False, f"{total / 1e9:.3f} GFLOPs per forward at batch 1 x {seq} tokens",
                       {"total_flops": total, "reference_seq": seq})

@@ -1,4 +1,4 @@
-"""The pass interface: every pass is a function `(gm, ctx) -> PassResult`.
+"""The pass interface: every pass is a function `(gm, ctx) -> PassReport`.
 
 Like torch.fx's PassBase, a pass states what it *requires* (facts established by earlier passes)
 and what it *ensures*. A fact is either `meta:<key>` (every call_function node carries
@@ -26,8 +26,9 @@ REGION = "rb_region"      # region id after partitioning
 
 
 @dataclass
-class PassResult:
-    """What a pass did: `changed` says whether the graph or its marks changed."""
+class PassReport:
+    """What a pass did: `changed` says whether the graph or its marks changed. (Not torch.fx's
+    PassResult: passes here change `gm` in place and report, they do not return a new one.)"""
     changed: bool
     summary: str
     stats: dict[str, Any] = field(default_factory=dict)
@@ -91,7 +92,7 @@ class PassContext:
     dump_dir: str | None = None
 
 
-PassFn = Callable[[GraphModule, PassContext], PassResult]
+PassFn = Callable[[GraphModule, PassContext], PassReport]
 
 
 def graph_pass(*, requires: tuple[str, ...] = (), ensures: tuple[str, ...] = ()):

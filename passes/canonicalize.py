@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import PassContext, PassResult, graph_pass
+from .base import PassContext, PassReport, graph_pass
 
 aten = torch.ops.aten
 
@@ -68,7 +68,7 @@ def _inherit_module_stacks(graph) -> int:
 
 
 @graph_pass(ensures=())
-def canonicalize(gm: GraphModule, ctx: PassContext) -> PassResult:
+def canonicalize(gm: GraphModule, ctx: PassContext) -> PassReport:
     removed: Counter[str] = Counter()
     graph = gm.graph
     for node in list(graph.nodes):
@@ -97,4 +97,4 @@ def canonicalize(gm: GraphModule, ctx: PassContext) -> PassResult:
     gm.recompile()
     total = sum(removed.values())
     detail = ", ".join(f"{v} {k}" for k, v in sorted(removed.items()) if v)
-    return PassResult(total > 0, f"removed {total} nodes ({detail})", dict(removed))
+    return PassReport(total > 0, f"removed {total} nodes ({detail})", dict(removed))

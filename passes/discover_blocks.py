@@ -23,7 +23,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..errors import CompileError
-from .base import (BLOCK, DEPS, FLOPS, Block, Branch, PassContext, PassResult, compute_nodes,
+from .base import (BLOCK, DEPS, FLOPS, Block, Branch, PassContext, PassReport, compute_nodes,
                    graph_pass, is_add, is_scalar, module_path, module_stack)
 
 _NUMBERED = re.compile(r"(.+)\.(\d+)")
@@ -128,7 +128,7 @@ def _split_branches(block: Block) -> list[Branch]:
 
 
 @graph_pass(requires=("meta:rb_deps",), ensures=("ctx:blocks", "meta:" + BLOCK))
-def discover_blocks(gm: GraphModule, ctx: PassContext) -> PassResult:
+def discover_blocks(gm: GraphModule, ctx: PassContext) -> PassReport:
     nodes = compute_nodes(gm)
     list_path, block_type, indices = _block_list(nodes)
     by_block: dict[int, list[Node]] = defaultdict(list)
@@ -167,6 +167,6 @@ def discover_blocks(gm: GraphModule, ctx: PassContext) -> PassResult:
     split = sum(1 for b in blocks if b.branches)
     kinds = "/".join(br.name for br in blocks[0].branches) if blocks[0].branches else "whole"
     span = f"{list_path}.<i>" if indices[0] == 0 else f"{list_path}.{indices[0]}-{indices[-1]}"
-    return PassResult(True, f"{len(indices)} x {block_type} at {span}; {split} split into "
+    return PassReport(True, f"{len(indices)} x {block_type} at {span}; {split} split into "
                       f"residual branches ({kinds})",
                       {"blocks": len(indices), "block_type": block_type, "split_blocks": split})

@@ -14,7 +14,7 @@ from collections import Counter
 from torch.fx import GraphModule, Node
 
 from ..errors import CompileError
-from .base import (FLOPS, KIND, REGION, UNIT, PassContext, PassResult, graph_pass, is_scalar,
+from .base import (FLOPS, KIND, REGION, UNIT, PassContext, PassReport, graph_pass, is_scalar,
                    module_path)
 
 
@@ -78,7 +78,7 @@ def _skeleton_name(nodes: list[Node]) -> str:
 
 
 @graph_pass(requires=("meta:rb_kind", "ctx:units"), ensures=("ctx:regions", "meta:" + REGION))
-def form_regions(gm: GraphModule, ctx: PassContext) -> PassResult:
+def form_regions(gm: GraphModule, ctx: PassContext) -> PassReport:
     full_order = _reorder(gm)
     position = {n: i for i, n in enumerate(full_order)}
     order = [n for n in full_order if n.op == "call_function"]
@@ -129,6 +129,6 @@ def form_regions(gm: GraphModule, ctx: PassContext) -> PassResult:
     ctx.regions = regions
     counts = Counter(r["kind"] for r in regions)
     share = sum(r["flops"] for r in prunable) / total_flops
-    return PassResult(True, f"{len(regions)} regions ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
+    return PassReport(True, f"{len(regions)} regions ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
                       f"prunable regions hold {share:.1%} of FLOPs",
                       {"regions": len(regions), **counts, "prunable_flops_share": share})

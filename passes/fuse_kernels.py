@@ -25,7 +25,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..kernels import OPS as ops
-from .base import REGION, PassContext, PassResult, graph_pass
+from .base import REGION, PassContext, PassReport, graph_pass
 
 aten = torch.ops.aten
 _CASTS = {aten.to.dtype, aten._to_copy.default}
@@ -229,9 +229,9 @@ def _rename_region_values(regions: list[dict], renamed: dict[str, str]) -> None:
 
 
 @graph_pass(requires=("ctx:regions",))
-def fuse_kernels(gm: GraphModule, ctx: PassContext) -> PassResult:
+def fuse_kernels(gm: GraphModule, ctx: PassContext) -> PassReport:
     if not ctx.kernels:
-        return PassResult(False, "off (fused kernels not requested)")
+        return PassReport(False, "off (fused kernels not requested)")
     fuser = _Fuser(gm)
     fuser.run()
     gm.graph.eliminate_dead_code()  # casts the fused ops now do themselves
@@ -240,5 +240,5 @@ def fuse_kernels(gm: GraphModule, ctx: PassContext) -> PassResult:
     _rename_region_values(ctx.regions, fuser.renamed)
     total = sum(fuser.counts.values())
     detail = ", ".join(f"{v} {k}" for k, v in sorted(fuser.counts.items()))
-    return PassResult(total > 0, f"fused {total} patterns ({detail or 'none found'})",
+    return PassReport(total > 0, f"fused {total} patterns ({detail or 'none found'})",
                       dict(fuser.counts))

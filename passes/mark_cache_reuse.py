@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch.fx import GraphModule, Node
 
 from ..architectures import DECODER, all_kv_projections
-from .base import DEPS, KIND, PassContext, PassResult, compute_nodes, graph_pass, is_tensor
+from .base import DEPS, KIND, PassContext, PassReport, compute_nodes, graph_pass, is_tensor
 
 
 def _mutates_input(node: Node) -> bool:
@@ -36,7 +36,7 @@ def _kv_parameters(ctx: PassContext) -> list[dict]:
 
 
 @graph_pass(requires=("meta:rb_kind", "meta:rb_deps"), ensures=("ctx:cache_candidates",))
-def mark_cache_reuse(gm: GraphModule, ctx: PassContext) -> PassResult:
+def mark_cache_reuse(gm: GraphModule, ctx: PassContext) -> PassReport:
     marked = [n for n in compute_nodes(gm) if _cacheable(n)]
     for node in marked:
         node.meta[KIND] = "cache"
@@ -46,6 +46,6 @@ def mark_cache_reuse(gm: GraphModule, ctx: PassContext) -> PassResult:
         "exact_repeat": {"key": list(ctx.input_names), "scope": "whole request"},
         "prefix_kv": _kv_parameters(ctx),
     }
-    return PassResult(bool(marked), f"{len(marked)} nodes served from the shape-keyed cache "
+    return PassReport(bool(marked), f"{len(marked)} nodes served from the shape-keyed cache "
                       f"({mask_keyed} also keyed by the attention mask)",
                       {"cache_nodes": len(marked), "mask_keyed_nodes": mask_keyed})

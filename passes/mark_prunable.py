@@ -14,7 +14,7 @@ from torch.fx import GraphModule, Node
 
 from ..architectures import Dimensions
 
-from .base import (KIND, UNIT, PassContext, PassResult, Unit, compute_nodes, graph_pass,
+from .base import (KIND, UNIT, PassContext, PassReport, Unit, compute_nodes, graph_pass,
                    module_path)
 
 aten = torch.ops.aten
@@ -63,7 +63,7 @@ def _width(kind: str, dims: Dimensions | None, nodes: list[Node]) -> dict:
 
 
 @graph_pass(requires=("ctx:blocks", "meta:rb_kind"), ensures=("ctx:units",))
-def mark_prunable(gm: GraphModule, ctx: PassContext) -> PassResult:
+def mark_prunable(gm: GraphModule, ctx: PassContext) -> PassReport:
     units, cache_writers = [], []
     for block in ctx.blocks:
         if block.branches:
@@ -95,6 +95,6 @@ def mark_prunable(gm: GraphModule, ctx: PassContext) -> PassResult:
     ctx.units = units
     kept = f"; {len(cache_writers)} kept in the skeleton (they write the KV cache)" \
         if cache_writers else ""
-    return PassResult(True, f"{len(units)} prunable units ({', '.join(kinds)}) over "
+    return PassReport(True, f"{len(units)} prunable units ({', '.join(kinds)}) over "
                       f"{len(ctx.blocks)} layers{kept}",
                       {"units": len(units), "kinds": kinds, "cache_writers": len(cache_writers)})

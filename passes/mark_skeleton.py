@@ -11,11 +11,11 @@ from collections import Counter
 
 from torch.fx import GraphModule
 
-from .base import BLOCK, KIND, PassContext, PassResult, compute_nodes, graph_pass, module_path
+from .base import BLOCK, KIND, PassContext, PassReport, compute_nodes, graph_pass, module_path
 
 
 @graph_pass(requires=("ctx:blocks", "meta:rb_block"), ensures=("meta:" + KIND,))
-def mark_skeleton(gm: GraphModule, ctx: PassContext) -> PassResult:
+def mark_skeleton(gm: GraphModule, ctx: PassContext) -> PassReport:
     modules: Counter[str] = Counter()
     for node in compute_nodes(gm):
         node.meta[KIND] = "skeleton" if node.meta[BLOCK] is None else "block"
@@ -24,5 +24,5 @@ def mark_skeleton(gm: GraphModule, ctx: PassContext) -> PassResult:
             modules["<shape arithmetic>" if not path or path.startswith("_") else path] += 1
     count = sum(modules.values())
     listed = ", ".join(sorted(modules))
-    return PassResult(True, f"{count} skeleton nodes in modules: {listed}",
+    return PassReport(True, f"{count} skeleton nodes in modules: {listed}",
                       {"skeleton_nodes": count, "modules": sorted(modules)})

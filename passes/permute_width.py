@@ -16,7 +16,7 @@ from torch.fx import GraphModule
 
 from ..architectures import CHANNELS, KV_HEADS, QUERY_HEADS
 from ..errors import CompileError
-from .base import PassContext, PassResult, graph_pass
+from .base import PassContext, PassReport, graph_pass
 
 def head_orders(scores: list[float], kv_heads: int) -> tuple[list[int], list[int]]:
     """(query head order, key/value head order): KV groups by summed score, descending, each
@@ -38,7 +38,7 @@ def _expand(order: list[int], unit_size: int, blocks: int) -> torch.Tensor:
 
 
 @graph_pass(requires=("ctx:units", "ctx:width_importance"), ensures=("ctx:permutations",))
-def permute_width(gm: GraphModule, ctx: PassContext) -> PassResult:
+def permute_width(gm: GraphModule, ctx: PassContext) -> PassReport:
     if ctx.architecture is None:
         raise CompileError("permuting heads and channels needs the model's architecture record")
     params = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
@@ -73,6 +73,6 @@ def permute_width(gm: GraphModule, ctx: PassContext) -> PassResult:
             moved += found
         permutations[unit.name] = {k: v for k, v in orders.items()}
     ctx.permutations = permutations
-    return PassResult(bool(permutations), f"reordered heads/channels of {len(permutations)} units "
+    return PassReport(bool(permutations), f"reordered heads/channels of {len(permutations)} units "
                       f"by importance ({moved} parameters permuted in place)",
                       {"units": len(permutations), "parameters": moved})
