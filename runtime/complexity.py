@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
@@ -78,6 +79,13 @@ class ComplexityEstimator:
         return ((w.length + w.rarity) * cheap + w.early * uncertainty) / (w.length + w.rarity + w.early)
 
 
+class Tier(IntEnum):
+    """A request's tier, cheapest first (an index into `Tiers.scales`)."""
+    LIGHT = 0
+    MEDIUM = 1
+    FULL = 2
+
+
 @dataclass
 class Tiers:
     """Score -> tier: below `light_below` light, below `full_from` medium, else full. Each tier
@@ -100,17 +108,19 @@ class Tiers:
         move = lambda threshold: threshold + shift * (1 - threshold)  # noqa: E731
         return Tiers(move(self.light_below), move(self.full_from), self.scales)
 
-    def constant(self) -> int | None:
+    def constant(self) -> Tier | None:
         """The tier of every request when the thresholds leave no choice, else None."""
         if self.full_from <= 0:
-            return 2
-        return 0 if self.light_below >= 1 else None
+            return Tier.FULL
+        return Tier.LIGHT if self.light_below >= 1 else None
 
-    def tier(self, score: float) -> int:
+    def tier(self, score: float) -> Tier:
         constant = self.constant()
         if constant is not None:
             return constant
-        return 0 if score < self.light_below else (1 if score < self.full_from else 2)
+        if score < self.light_below:
+            return Tier.LIGHT
+        return Tier.MEDIUM if score < self.full_from else Tier.FULL
 
-    def budget(self, tier: int, budget: float) -> float:
+    def budget(self, tier: Tier, budget: float) -> float:
         return budget * self.scales[tier]
