@@ -110,8 +110,13 @@ def _split_branches(block: Block) -> list[Branch]:
     members = set(block.nodes)
     first_nodes = _ancestors_within(first, members)
     second_nodes = members - first_nodes
-    if _ancestors_within(second, members) != members:
-        return []  # nodes that feed neither residual add: not a clean pre-LN block
+    neither = members - _ancestors_within(second, members)
+    if neither:  # only cache bookkeeping (a length counter) may feed neither residual add
+        bookkeeping = set().union(*(_ancestors_within(n, members) for n in block.cache_outputs))
+        if not neither <= bookkeeping:
+            return []  # not a clean pre-LN block
+        first_nodes |= neither  # with the branch that writes the cache
+        second_nodes -= neither
     ordered = {n: i for i, n in enumerate(block.nodes)}
     branches = []
     for nodes, stream_in, stream_out in ((first_nodes, block.stream_in, first),

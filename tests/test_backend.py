@@ -107,6 +107,28 @@ def test_generate_gives_the_eager_tokens(use_cache):
     assert graphs and all(g.handled_by == "rbcompile" for g in graphs)
 
 
+def test_static_cache_generate_is_adaptive_in_its_mlps():
+    """transformers' StaticCache adds a length counter beside the K/V writes: the attention
+    branch keeps it (skeleton), the MLP branches stay prunable, and a budget skips them."""
+    model = make_tiny_model("llama")
+    ids, mask = _inputs(2, 7)
+    settings = dict(attention_mask=mask, max_new_tokens=5, do_sample=False,
+                    cache_implementation="static", disable_compile=True)
+    expected = model.generate(ids, **settings)
+    model.forward = torch.compile(model.forward, backend="rbcompile", options=STRICT_EAGER)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **settings), expected)
+        graphs = backend.compiled_graphs()
+        assert graphs and all(g.handled_by == "rbcompile" for g in graphs)
+        layers = model.config.num_hidden_layers
+        for graph in graphs:
+            kinds = [r["unit_kind"] for r in graph.regions if r["kind"] == "prunable"]
+            assert kinds == ["mlp"] * layers and graph.num_gates == layers
+        with backend.decision(budget=0.5):
+            model.generate(ids, **settings)
+        assert all(g.last_skipped > 0 for g in backend.compiled_graphs())
+
+
 def test_inductor_regions_match_eager():
     model = make_tiny_model("llama")
     compiled = torch.compile(model, backend="rbcompile", options={"strict": True})
