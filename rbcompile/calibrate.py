@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from . import quality
-from .codegen import method_name
 from .progress import say
 from .plans import apply_plan, within_budget
 
@@ -30,19 +29,18 @@ def capture_streams(compiled):
     module = compiled.module
     records: dict[int, list] = {}
     wrapped = []
-    for region in compiled.regions:
-        if region["kind"] != "prunable":
+    for region in module.REGIONS:
+        if region.kind != "prunable":
             continue
-        method = getattr(module, method_name(region))
-        (_, stream_in), = region["skip"].items()
-        position = region["inputs"].index(stream_in)
+        method = getattr(module, region.method)
+        position = region.inputs.index(region.skip[1])
 
-        def wrapper(*args, _method=method, _pos=position, _id=region["id"]):
+        def wrapper(*args, _method=method, _pos=position, _id=region.id):
             out = _method(*args)
             records.setdefault(_id, []).append((args[_pos], out))
             return out
-        module.__dict__[method_name(region)] = wrapper
-        wrapped.append(method_name(region))
+        module.__dict__[region.method] = wrapper
+        wrapped.append(region.method)
     try:
         yield records
     finally:

@@ -1,13 +1,15 @@
 """Generate the runtime module's Python source from the IR (see ir.py).
 
-The generated class has one method per region and a `forward` that runs the skeleton regions
-always, serves cache-reuse regions from a shape-keyed cache, and runs each prunable region only
-when its gate is on (otherwise its output is the residual stream it reads: an identity).
+The generated class has one method per region (and per width level of a prunable region), the
+table of its regions `REGIONS` (rbcompile/regions.py: method names are decided here, once) and a
+`forward` that runs that table through the region interpreter: skeleton regions always,
+cache-reuse regions from a shape-keyed cache, each prunable region only when its gate is on
+(otherwise its output is the residual stream it reads: an identity).
 
 With `guards="cond"` (ONNX export only, never saved) each gate is a `torch.cond` on a bool
 tensor `gates[i]`, which exports as an ONNX `If`; cache regions are computed directly and the
-width levels are chosen by Python comparisons, so a given `widths` list is baked in; fused
-kernels (`rbcompile.*` ops) call their PyTorch references, which export as plain ONNX.
+width levels are chosen in Python, so a given `widths` list is baked in; fused kernels
+(`rbcompile.*` ops) call their PyTorch references, which export as plain ONNX.
 """
 from __future__ import annotations
 
@@ -46,19 +48,19 @@ def _call(op: str, args: list, kwargs: dict, params: dict[str, str]) -> str:
     return f"{op}({', '.join(parts)})"
 
 
-def _with_deletes(statements: list[tuple[str, list[str]]], keep: set[str], indent: str) -> list[str]:
+def _last_reads(reads: list[list[str]], keep=frozenset()) -> list[list[str]]:
+    """Per step (given the names each step reads), the names not in `keep` it reads last."""
+    last = {name: index for index, names in enumerate(reads) for name in names}
+    return [[name for name in dict.fromkeys(names) if last[name] == index and name not in keep]
+            for index, names in enumerate(reads)]
+
+
+def _with_deletes(statements: list[tuple[str, list[str]]], indent: str) -> list[str]:
     """Lines for (code, names read) statements, deleting each name after its last read."""
-    last_read = {}
-    for index, (_, reads) in enumerate(statements):
-        for name in reads:
-            last_read[name] = index
     lines = []
-    for index, (code, reads) in enumerate(statements):
-        lines.extend(indent + line for line in code.split("\n"))
-        if code.startswith("return"):
-            continue
-        dead = [n for n in dict.fromkeys(reads) if last_read[n] == index and n not in keep]
-        if dead:
+    for (code, _), dead in zip(statements, _last_reads([reads for _, reads in statements])):
+        lines.append(indent + code)
+        if dead and not code.startswith("return"):
             lines.append(f"{indent}del {', '.join(dead)}")
     return lines
 
@@ -74,9 +76,11 @@ def _reads(value, params) -> list[str]:
     return []
 
 
-def method_name(region: dict) -> str:
+def _method_name(region: dict, variant: dict | None = None) -> str:
+    """The name of a region's method (of its narrowed twin for a width `variant`)."""
     safe = "".join(c if c.isalnum() else "_" for c in region["name"]).strip("_")
-    return f"r{region['id']}_{safe}"[:60]
+    name = f"r{region['id']}_{safe}"[:60]
+    return name if variant is None else f"{name}_{variant['label']}"
 
 
 def _tuple(names: list[str]) -> str:
@@ -89,12 +93,12 @@ def _region_method(region: dict, nodes: list, params, variant: dict | None = Non
         header = (f"{_INDENT}# region {region['id']}: {region['kind']}"
                   f"{' (' + region['unit_kind'] + ')' if region['kind'] == 'prunable' else ''}"
                   f", {region['module_path']}, {region['flops_share']:.2%} of FLOPs")
-        name, inputs, outputs = method_name(region), region["inputs"], region["outputs"]
+        name, inputs, outputs = _method_name(region), region["inputs"], region["outputs"]
     else:
         spec = variant["regions"][str(region["id"])]
         header = (f"{_INDENT}# region {region['id']} at width {variant['ratio']:g}: "
                   f"{region['module_path']}, {spec['prunable_share']:.2%} of prunable FLOPs")
-        name = f"{method_name(region)}_{variant['label']}"
+        name = _method_name(region, variant)
         inputs, outputs = spec["inputs"], spec["outputs"]
     lines = [header, f"{_INDENT}def {name}(self, {', '.join(inputs)}):"]
     statements = []
@@ -102,93 +106,51 @@ def _region_method(region: dict, nodes: list, params, variant: dict | None = Non
         reads = _reads(args, params) + _reads(list(kwargs.values()), params)
         statements.append((f"{name} = {_call(op, args, kwargs, params)}", reads))
     statements.append((f"return {_tuple(outputs)}", outputs))
-    lines += _with_deletes(statements, set(), _INDENT * 2)
+    lines += _with_deletes(statements, _INDENT * 2)
     return lines
 
 
-_COND = '''
-
-def _cond(gate, branch, stream, operands):
-    """torch.cond on the bool tensor `gate`: `branch(*operands)`, or a copy of `operands[stream]`
-    (branch outputs must not alias inputs). cond takes tensor operands only, so the sizes
-    (SymInts) among `operands` travel as the shape of an empty tensor."""
-    is_size = [not isinstance(value, torch.Tensor) for value in operands]
-    sizes = [value for value, size in zip(operands, is_size) if size]
-    tensors = [value for value, size in zip(operands, is_size) if not size]
-    carrier = operands[stream].new_empty((0, *sizes))
-
-    def run(carrier, *tensors):
-        sizes, tensors = iter(carrier.shape[1:]), iter(tensors)
-        return branch(*(next(sizes) if size else next(tensors) for size in is_size))
-
-    def skip(carrier, *tensors):
-        return tensors[stream - sum(is_size[:stream])].clone()
-
-    return torch.cond(gate, run, skip, (carrier, *tensors))
-'''.split("\n")
+def _levels(region: dict, variants: list[dict]) -> list[dict]:
+    """The width variants (widest first) that narrow `region`."""
+    return [v for v in variants if str(region["id"]) in v["regions"]]
 
 
-def _width_choice(gate: int, levels: list[dict], assign) -> list[str]:
-    """Lines choosing full width or the narrowest level (`levels` widest first) whose width is
-    >= `widths[gate]` (requests below the lowest level are clamped to it: the floor);
-    `assign(suffix)` is the statement for the method with that suffix."""
-    lines = [f"if widths is None or widths[{gate}] > {levels[0]['ratio']!r}:",
-             f"{_INDENT}{assign('')}"]
-    for index, variant in enumerate(levels):
-        lines += [f"elif widths[{gate}] > {levels[index + 1]['ratio']!r}:"
-                  if index + 1 < len(levels) else "else:",
-                  f"{_INDENT}{assign('_' + variant['label'])}"]
-    return lines
-
-
-def _prunable_call(region: dict, variants: list[dict], guards: str) -> str:
-    """The guarded call of a prunable region: skipped (its output is the stream it reads), full,
-    or a width level (see `_width_choice`). With `guards="cond"`, a `torch.cond` on the gate
-    tensor between the chosen method and a copy of that stream."""
-    (out, stream_in), = region["skip"].items()
-    gate, inputs, method = region["gate"], region["inputs"], method_name(region)
-    args = f"({', '.join(inputs)})"
-    levels = [v for v in variants if str(region["id"]) in v["regions"]]
-    if guards == "cond":
-        stream_and_operands = f"{inputs.index(stream_in)}, ({', '.join(inputs)},))"
-        if not levels:
-            return f"{out} = _cond(gates[{gate}], self.{method}, {stream_and_operands}"
-        choice = _width_choice(gate, levels, lambda suffix: f"branch = self.{method}{suffix}")
-        return "\n".join(choice + [f"{out} = _cond(gates[{gate}], branch, {stream_and_operands}"])
-    if not levels:
-        return (f"if gates[{gate}]:\n{_INDENT}{out} = self.{method}{args}\n"
-                f"else:\n{_INDENT}{out} = {stream_in}")
-    choice = _width_choice(gate, levels, lambda suffix: f"{out} = self.{method}{suffix}{args}")
-    return "\n".join([f"if gates[{gate}]:", *(_INDENT + line for line in choice),
-                      "else:", f"{_INDENT}{out} = {stream_in}"])
+def _table(ir: dict, variants: list[dict]) -> list[str]:
+    """The class-level `REGIONS` table (rbcompile/regions.py), in run order. A region drops the
+    values it reads last (never the graph's inputs or outputs), as `_with_deletes` does."""
+    keep = {*ir["inputs"], *(name for _, name in ir["outputs"])}
+    drops = _last_reads([region["inputs"] for region in ir["regions"]], keep)
+    lines = [f"{_INDENT}REGIONS = ("]
+    new_row = ",\n" + _INDENT * 2 + " " * len("Region(")
+    for region, drop in zip(ir["regions"], drops):
+        rows = [f"{region['id']!r}, {region['kind']!r}, {_method_name(region)!r}",
+                f"inputs={tuple(region['inputs'])!r}, outputs={tuple(region['outputs'])!r}"]
+        if region["kind"] == "prunable":
+            (out, stream_in), = region["skip"].items()
+            levels = tuple((v["ratio"], _method_name(region, v)) for v in _levels(region, variants))
+            rows += [f"gate={region['gate']!r}, skip={(out, stream_in)!r}",
+                     *([f"levels={levels!r}"] if levels else [])]
+        rows += [f"drop={tuple(drop)!r}"] if drop else []
+        lines.append(f"{_INDENT * 2}Region({new_row.join(rows)}),")
+    return lines + [f"{_INDENT})"]
 
 
 def _forward(ir: dict, guards: str) -> list[str]:
-    variants = sorted(ir.get("variants", []), key=lambda v: -v["ratio"])
-    statements = []
-    for region in ir["regions"]:
-        method, inputs, outputs = method_name(region), region["inputs"], region["outputs"]
-        call = f"self.{method}({', '.join(inputs)})"
-        if region["kind"] == "cache" and guards == "python":
-            args = ", ".join([str(region["id"]), f"self.{method}", *inputs])
-            code = f"{_tuple(outputs)}{',' if len(outputs) == 1 else ''} = self.region_cache.lookup({args})"
-        elif region["kind"] == "prunable":
-            code = _prunable_call(region, variants, guards)
-        else:
-            code = f"{_tuple(outputs)} = {call}"
-        statements.append((code, inputs))
-    results = [name for _, name in ir["outputs"]]
-    statements.append((f"return ({', '.join(results)},)", results))
-    inputs = ", ".join(ir["inputs"])
-    return ([f"{_INDENT}def forward(self, {inputs}, gates, widths=None):",
-             f'{_INDENT * 2}"""Run the model; `gates[i]` turns prunable region i on (True) or off;',
-             f'{_INDENT * 2}`widths[i]` (optional) narrows it to the smallest width level >= it."""']
-            + _with_deletes(statements, set(), _INDENT * 2))
+    """`forward`: the graph inputs by name, run through the region table (regions.py)."""
+    env = ", ".join(f"{name!r}: {name}" for name in ir["inputs"])
+    results = ", ".join(f"env[{name!r}]" for _, name in ir["outputs"])
+    guards_arg = f", guards={guards!r}" if guards != "python" else ""
+    return [f"{_INDENT}def forward(self, {', '.join(ir['inputs'])}, gates, widths=None):",
+            f'{_INDENT * 2}"""Run the model; `gates[i]` turns prunable region i on (True) or off;',
+            f'{_INDENT * 2}`widths[i]` (optional) narrows it to the smallest width level >= it."""',
+            f"{_INDENT * 2}env = run_regions(self, {{{env}}}, gates, widths{guards_arg})",
+            f"{_INDENT * 2}return ({results},)"]
 
 
 def generate_source(ir: dict, guards: str = "python") -> str:
-    """Python source of the generated module for a validated IR: gates as Python `if`s
-    (`guards="python"`, the artifact's model.py) or as `torch.cond`s on a bool tensor ("cond")."""
+    """Python source of the generated module for a validated IR: gates as Python bools
+    (`guards="python"`, the artifact's model.py) or as `torch.cond`s on a bool tensor ("cond");
+    see rbcompile/regions.py."""
     check_ir(ir)
     variants = sorted(ir.get("variants", []), key=lambda v: -v["ratio"])
     params = {**ir["parameters"], **{n: v for var in variants for n, v in var["parameters"].items()}}
@@ -219,13 +181,13 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         "",
         *(["import rbcompile.kernels  # noqa: F401  (registers the fused kernels)"] if fused else []),
         "from rbcompile.region_cache import RegionCache",
+        "from rbcompile.regions import Region, run_regions",
         "",
         "aten = torch.ops.aten",
         "prims = torch.ops.prims",
         *([f"rbcompile_ops = {'rbcompile.kernels.REFERENCES' if guards == 'cond' else 'torch.ops.rbcompile'}"]
           if fused else []),
         "",
-        *(_COND if guards == "cond" else []),
         "",
         "class GeneratedModel(torch.nn.Module):",
         f"    INPUTS = {tuple(ir['inputs'])!r}",
@@ -240,6 +202,9 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         *([view_lines] if view_lines else []),
         "    }",
         f"    WIDTH_LEVELS = {tuple(v['ratio'] for v in variants)!r}",
+        "    # the regions in run order, as rbcompile/regions.py runs them: methods, gates, the",
+        "    # input a skipped region passes on, width levels (widest first), values dropped after",
+        *_table(ir, variants),
         "",
         "    def __init__(self):",
         "        super().__init__()",
@@ -253,8 +218,7 @@ def generate_source(ir: dict, guards: str = "python") -> str:
     ]
     for region in ir["regions"]:
         lines += [""] + _region_method(region, by_region.get(region["id"], []), params)
-        for variant in variants:
-            if str(region["id"]) in variant["regions"]:
-                nodes = [n for n in variant["nodes"] if n[4] == region["id"]]
-                lines += [""] + _region_method(region, nodes, params, variant)
+        for variant in _levels(region, variants):
+            nodes = [n for n in variant["nodes"] if n[4] == region["id"]]
+            lines += [""] + _region_method(region, nodes, params, variant)
     return "\n".join(lines) + "\n"

@@ -1,7 +1,7 @@
 """CUDA graphs per plan: one captured graph per (gates, widths, input shapes), replayed.
 
-A gate decision then costs one graph replay: the Python `if`s of the generated forward, the
-per-region calls and every kernel launch happen once, at capture. `GraphCache` is what the
+A gate decision then costs one graph replay: the region interpreter's Python choices (see
+rbcompile/regions.py), the per-region calls and every kernel launch happen once, at capture. `GraphCache` is what the
 artifact runtime (`CompiledModel.use_cuda_graphs`) and the torch.compile backend
 (`options={"cuda_graphs": True}`) share:
 

@@ -23,7 +23,7 @@ _PARAM_KEY = re.compile(r"[A-Za-z0-9_.]+")
 _TEXT = re.compile(r"[A-Za-z0-9_.,:+<>()/ -]*")  # strings codegen writes into comments
 _OP = re.compile(r"(aten|prims|rbcompile)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
 RESERVED_NAMES = {"self", "gates", "torch", "aten", "prims", "operator", "math", "RegionCache",
-                  "rbcompile", "rbcompile_ops"}
+                  "Region", "run_regions", "rbcompile", "rbcompile_ops"}
 OPERATOR_FUNCTIONS = {f"operator.{name}": getattr(operator, name) for name in (
     "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow",
     "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_")}

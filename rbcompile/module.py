@@ -4,7 +4,6 @@ regions. Used by the compiler and by artifact loading alike; imports nothing of 
 from __future__ import annotations
 
 import linecache
-import re
 
 import torch
 
@@ -34,11 +33,8 @@ def attach_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) ->
         module.register_buffer(name, tensors[key].narrow(axis, 0, length), persistent=False)
 
 
-_REGION_METHOD = re.compile(r"r[0-9]+_[A-Za-z0-9_]*")  # names codegen.method_name gives
-
-
 def compile_regions(module: torch.nn.Module) -> None:
-    """Compile every region method of a generated module with inductor (the guarded branches
-    between them stay Python, so a new gate decision never recompiles)."""
-    for name in [n for n in type(module).__dict__ if _REGION_METHOD.fullmatch(n)]:
+    """Compile every region method of a generated module (its `REGIONS` table) with inductor
+    (the gate and width choices between them stay Python, so a new decision never recompiles)."""
+    for name in [name for region in module.REGIONS for name in region.methods]:
         setattr(module, name, torch.compile(getattr(module, name), backend="inductor"))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from .regions import width_level
+
 CENTRE = 0.6  # relative depth from which layers are skipped outward
 
 
@@ -84,14 +86,6 @@ def width_shares(variants: list[dict]) -> dict[int, dict[float, float]]:
     return shares
 
 
-def level_for(levels: dict[float, float], width: float) -> float | None:
-    """The width level a request runs at: the smallest level >= width (so a width below the
-    lowest level runs at the lowest: the floor), or None (full width) above every level. The
-    generated code's guarded branches choose the same way."""
-    above = [r for r in levels if r >= width]
-    return min(above) if above and width < 1 else None
-
-
 def skipped_share(regions: list[dict], gates: list[bool], widths=None, shares=None) -> float:
     """Fraction of prunable FLOPs a gate / width setting does not compute."""
     total = 0.0
@@ -102,7 +96,7 @@ def skipped_share(regions: list[dict], gates: list[bool], widths=None, shares=No
         if not gates[gate]:
             total += region["prunable_share"]
         elif widths is not None and shares and region["id"] in shares:
-            level = level_for(shares[region["id"]], widths[gate])
+            level = width_level(shares[region["id"]], widths[gate])
             if level is not None:
                 total += region["prunable_share"] - shares[region["id"]][level]
     return total

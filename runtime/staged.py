@@ -7,8 +7,8 @@ rows (or only the last positions) of the batch as a smaller batch: regrouping, n
 A `Stage` holds the live values after some region. `select` builds the smaller batch: the
 residual stream is sliced, and every other live value (shape symbols, masks, rotary tables) is
 recomputed from the sliced inputs by re-running the input-only regions that made it.
-Regions run through the generated module's own region methods, with the same gate and width
-rules as its `forward` (tests hold `run` equal to `forward`).
+Regions run from the generated module's region table through the same interpreter as its
+`forward` (rbcompile/regions.py; tests hold `run` equal to `forward`).
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codegen import method_name
 from ..errors import CompileError
-from ..plans import level_for
+from ..regions import run_region
 
 
 @dataclass
@@ -34,18 +33,12 @@ class StagedRunner:
 
     def __init__(self, compiled):
         self.module = compiled.module
-        self.regions = compiled.regions
+        self.table = compiled.module.REGIONS  # what runs, in order (rbcompile/regions.py)
+        self.regions = compiled.regions       # the IR's regions: names and layers
         self.input_names = list(compiled.ir["inputs"])
         self.outputs = [(name, var) for name, var in compiled.ir["outputs"]]
-        variants = sorted(compiled.ir.get("variants", []), key=lambda v: -v["ratio"])
-        self.levels = {}  # region id -> {ratio: method name}
-        for variant in variants:
-            for region_id in variant["regions"]:
-                region = self.regions[int(region_id)]
-                self.levels.setdefault(int(region_id), {})[variant["ratio"]] = \
-                    f"{method_name(region)}_{variant['label']}"
-        self.producer = {name: index for index, region in enumerate(self.regions)
-                         for name in region["outputs"]}
+        self.producer = {name: index for index, region in enumerate(self.table)
+                         for name in region.outputs}
         self.layer_end = {}  # layer -> index of its last region
         for index, region in enumerate(self.regions):
             if region["kind"] == "prunable":
@@ -60,44 +53,19 @@ class StagedRunner:
 
     def advance(self, stage: Stage, gates, widths=None, until_layer: int | None = None) -> Stage:
         """Run regions up to and including the last one of `until_layer` (None: to the end)."""
-        stop = len(self.regions) if until_layer is None else self.layer_end[until_layer] + 1
-        for index in range(stage.position, stop):
-            stage.stream = self._run_region(index, stage.env, gates, widths) or stage.stream
+        stop = len(self.table) if until_layer is None else self.layer_end[until_layer] + 1
+        for region in self.table[stage.position:stop]:
+            run_region(self.module, region, stage.env, gates, widths)
+            if region.kind == "prunable":
+                stage.stream = region.skip[0]
         stage.position = max(stage.position, stop)
-        self._drop_dead(stage)
         return stage
-
-    def _run_region(self, index: int, env: dict, gates, widths) -> str | None:
-        region = self.regions[index]
-        args = [env[name] for name in region["inputs"]]
-        method = getattr(self.module, method_name(region))
-        if region["kind"] == "cache":
-            values = self.module.region_cache.lookup(region["id"], method, *args)
-        elif region["kind"] == "prunable":
-            (out, stream_in), = region["skip"].items()
-            gate = region["gate"]
-            if not gates[gate]:
-                env[out] = env[stream_in]
-                return out
-            level = (level_for(self.levels[region["id"]], widths[gate])
-                     if widths is not None and region["id"] in self.levels else None)
-            if level is not None:
-                method = getattr(self.module, self.levels[region["id"]][level])
-            values = method(*args)
-            env[out] = values
-            return out
-        else:
-            values = method(*args)
-        outputs = region["outputs"]
-        values = values if len(outputs) > 1 else (values,)
-        env.update(zip(outputs, values))
-        return None
 
     def _live_after(self, position: int) -> set[str]:
         """Names made before `position` that later regions or the graph outputs read."""
         names = {var for _, var in self.outputs}
-        for region in self.regions[position:]:
-            names.update(region["inputs"])
+        for region in self.table[position:]:
+            names.update(region.inputs)
         return {n for n in names if self.producer.get(n, -1) < position}
 
     def _drop_dead(self, stage: Stage) -> None:
@@ -135,7 +103,7 @@ class StagedRunner:
         env = dict(inputs)
         full = [True] * self.module.NUM_GATES
         for index in needed:
-            self._run_region(index, env, full, None)
+            run_region(self.module, self.table[index], env, full)
         env[stage.stream] = stream
         new_rows = stage.rows if rows is None else stage.rows.index_select(0, rows)
         new = Stage(env, stage.position, stage.stream, new_rows)
@@ -149,9 +117,9 @@ class StagedRunner:
             index = self.producer[pending.pop()]
             if index in needed:
                 continue
-            if self.regions[index]["kind"] == "prunable":
+            if self.table[index].kind == "prunable":
                 raise CompileError(f"cannot regroup: {self.regions[index]['name']} feeds a "
                                    "later region other than through the residual stream")
             needed.add(index)
-            pending += [n for n in self.regions[index]["inputs"] if n not in self.input_names]
+            pending += [n for n in self.table[index].inputs if n not in self.input_names]
         return sorted(needed)

@@ -28,6 +28,34 @@ def test_run_equals_forward_under_gates_and_widths(calibrated_tiny, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_run_equals_forward_at_the_width_boundaries(calibrated_tiny, arch):
+    """Every gate at the same width: exactly at a level, between two, below the lowest, above
+    the widest, none; and all gates off. A request runs at the narrowest level >= it."""
+    compiled = calibrated_tiny[arch]
+    runner = StagedRunner(compiled)
+    ids, mask = random_batch(3, 11)
+    widest, lowest = max(compiled.module.WIDTH_LEVELS), min(compiled.module.WIDTH_LEVELS)
+    requests = {"none": None, "above": (1 + widest) / 2, "widest": widest,
+                "between": (widest + lowest) / 2, "lowest": lowest, "below": lowest / 2}
+    outputs = {}
+    for gates_on in (True, False):
+        gates = [gates_on] * compiled.num_gates
+        for label, width in requests.items():
+            widths = None if width is None else [width] * compiled.num_gates
+            expected = compiled(ids, mask, gates=gates, widths=widths)
+            got = runner.run(ids, mask, gates, widths)
+            for name in compiled.output_names:
+                assert torch.equal(got[name], expected[name]), (arch, gates_on, label, name)
+            outputs[gates_on, label] = got[compiled.output_names[0]]
+    same = [("none", "above"), ("between", "widest"), ("lowest", "below")]
+    for a, b in same:
+        assert torch.equal(outputs[True, a], outputs[True, b]), (arch, a, b)
+    assert not torch.equal(outputs[True, "none"], outputs[True, "widest"])
+    assert not torch.equal(outputs[True, "widest"], outputs[True, "lowest"])
+    assert all(torch.equal(outputs[False, label], outputs[False, "none"]) for label in requests)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_regrouped_rows_continue_as_a_smaller_batch(calibrated_tiny, arch):
     compiled = calibrated_tiny[arch]
     runner = StagedRunner(compiled)
