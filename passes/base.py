@@ -134,6 +134,12 @@ def is_scalar(node: Node) -> bool:
     return isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
+def writes_input(node: Node) -> bool:
+    """True for an op that changes one of its inputs in place (a K/V cache write)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and bool(schema and schema.is_mutable)
+
+
 def is_tensor(node: Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 

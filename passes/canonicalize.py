@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import PassContext, PassReport, graph_pass
+from .base import PassContext, PassReport, graph_pass, writes_input
 
 aten = torch.ops.aten
 
@@ -91,7 +91,7 @@ def canonicalize(gm: GraphModule, ctx: PassContext) -> PassReport:
             graph.erase_node(node)
             removed["unused inputs"] += 1
     before = len(graph.nodes)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or writes_input(n))
     removed["module paths inherited"] = _inherit_module_stacks(graph)
     removed["dead nodes"] += before - len(graph.nodes)
     gm.recompile()

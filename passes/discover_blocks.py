@@ -9,10 +9,11 @@ Branches come from dataflow: a pre-LN block has two adds at block level, `a1 = x
 `out = a1 + g(a1)`; each branch is the add plus the block nodes it depends on. A post-LN block
 (BERT) has no such adds and is kept whole.
 
-Graphs captured with a KV cache (torch.compile of a decoder called with `use_cache=True`) also
-read the past K/V as graph inputs and return the new K/V as graph outputs: besides the stream, a
-block (and a branch) may read inputs and export values that only the graph output reads; those
-are its `cache_outputs`.
+Graphs captured with a KV cache also read the past K/V as graph inputs and either return the new
+K/V as graph outputs (torch.compile of a decoder called with `use_cache=True`) or write them
+into the cache inputs in place (`index_copy_`: an artifact's decoder, trace.CachedDecoder):
+besides the stream, a block (and a branch) may read inputs and export values that only the
+graph output reads, or write inputs; those are its `cache_outputs`.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 from ..errors import CompileError
 from .base import (BLOCK, DEPS, FLOPS, Block, Branch, PassContext, PassReport, compute_nodes,
-                   graph_pass, is_add, is_scalar, module_path, module_stack)
+                   graph_pass, is_add, is_scalar, module_path, module_stack, writes_input)
 
 _NUMBERED = re.compile(r"(.+)\.(\d+)")
 
@@ -50,14 +51,15 @@ def _block_list(nodes: list[Node]) -> tuple[str, str, list[int]]:
 
 
 def _external(nodes: list[Node]) -> tuple[list[Node], list[Node]]:
-    """(values read from outside, values used outside) of a node set, in graph order."""
+    """(values read from outside, values used outside) of a node set, in graph order. A write
+    into a graph input (an in-place K/V cache update) counts as used outside."""
     members = set(nodes)
     reads, exports = {}, {}
     for node in nodes:
         for inp in node.all_input_nodes:
             if inp not in members:
                 reads[inp] = None
-        if any(user not in members for user in node.users):
+        if writes_input(node) or any(user not in members for user in node.users):
             exports[node] = None
     return list(reads), list(exports)
 
@@ -69,8 +71,10 @@ def _same_shape(a: Node, b: Node) -> bool:
 
 
 def _output_only(node: Node, members: set[Node]) -> bool:
-    """True when, outside `members`, only the graph output reads `node` (a K/V cache value)."""
-    return all(user.op == "output" for user in node.users if user not in members)
+    """True when, outside `members`, only the graph output reads `node`, or it writes a graph
+    input in place: a K/V cache value."""
+    return writes_input(node) or all(user.op == "output" for user in node.users
+                                     if user not in members)
 
 
 def _ancestors_within(root: Node, members: set[Node]) -> set[Node]:

@@ -11,18 +11,14 @@ from __future__ import annotations
 from torch.fx import GraphModule, Node
 
 from ..architectures import DECODER, all_kv_projections
-from .base import DEPS, KIND, PassContext, PassReport, compute_nodes, graph_pass, is_tensor
-
-
-def _mutates_input(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and schema.is_mutable)
+from .base import (DEPS, KIND, PassContext, PassReport, compute_nodes, graph_pass, is_tensor,
+                   writes_input)
 
 
 def _cacheable(node: Node) -> bool:
     return (node.meta[KIND] == "skeleton" and is_tensor(node)
             and not node.meta[DEPS] & {"data", "position"}
-            and not any(_mutates_input(user) for user in node.users))
+            and not any(writes_input(user) for user in node.users))
 
 
 def _kv_parameters(ctx: PassContext) -> list[dict]:

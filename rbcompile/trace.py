@@ -48,35 +48,162 @@ def _export(model, kwargs, dims: dict, family: str):
         return torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
 
 
-def trace(model: torch.nn.Module, architecture: Architecture) -> TracedModel:
-    """torch.export the model with dynamic batch and sequence, `use_cache=False`.
-
-    Named dimensions (batch 1..4096, seq 1..max positions) first; where an older torch finds a
-    narrower valid range than that (torch 2.11 on some decoders: "Constraints violated (seq)"),
-    `Dim.DYNAMIC` lets export refine the range instead of failing, and the runtime's own input
-    checks stay in force."""
-    dims = architecture.dimensions(model.config)
-    limit, family = dims.max_positions, architecture.family
-    kwargs = example_inputs(architecture, dims.vocab, seq=min(8, limit),
-                            device=model_placement(model)[0])
-    kwargs = {name: kwargs[name] for name in architecture.inputs}
-    named = {0: torch.export.Dim("batch", min=1, max=4096), 1: torch.export.Dim("seq", min=1, max=limit)}
+def _export_or_retry(export, what: str):
+    """`export(dims)` with named dimensions first; where an older torch finds a narrower valid
+    range than that (torch 2.11 on some decoders: "Constraints violated (seq)"), `Dim.DYNAMIC`
+    lets export refine the range instead of failing, and the runtime's own input checks stay in
+    force. Any other failure is a one-line CompileError."""
     try:
         try:
-            exported = _export(model, kwargs, named, family)
+            return export(None)
         except Exception as exc:
             if "Constraints violated" not in str(exc):
                 raise
             logger.warning("torch.export: %s; retrying with Dim.DYNAMIC",
                            " ".join(str(exc).split())[:300])
-            exported = _export(model, kwargs, {0: torch.export.Dim.DYNAMIC,
-                                               1: torch.export.Dim.DYNAMIC}, family)
+            exported = export(torch.export.Dim.DYNAMIC)
             logger.warning("torch.export ranges: %s", exported.range_constraints)
+            return exported
     except Exception as exc:
-        first = first_line(exc)
-        raise CompileError(f"torch.export failed for {type(model).__name__}: {first}") from None
+        raise CompileError(f"torch.export failed for {what}: {first_line(exc)}") from None
+
+
+def _output_names(exported) -> list[str]:
     out_spec = exported.call_spec.out_spec
     names = list(out_spec.context) if isinstance(out_spec.context, list) else []
-    if not names:
-        names = [f"output_{i}" for i in range(out_spec.num_leaves)]
-    return TracedModel(exported.module(), architecture.inputs, names, limit)
+    return names or [f"output_{i}" for i in range(out_spec.num_leaves)]
+
+
+def trace(model: torch.nn.Module, architecture: Architecture) -> TracedModel:
+    """torch.export the model with dynamic batch and sequence (1..4096 rows, 1..max positions),
+    `use_cache=False`."""
+    dims = architecture.dimensions(model.config)
+    limit, family = dims.max_positions, architecture.family
+    kwargs = example_inputs(architecture, dims.vocab, seq=min(8, limit),
+                            device=model_placement(model)[0])
+    kwargs = {name: kwargs[name] for name in architecture.inputs}
+
+    def export(dynamic):
+        named = {0: dynamic or torch.export.Dim("batch", min=1, max=4096),
+                 1: dynamic or torch.export.Dim("seq", min=1, max=limit)}
+        return _export(model, kwargs, named, family)
+
+    exported = _export_or_retry(export, type(model).__name__)
+    return TracedModel(exported.module(), architecture.inputs, _output_names(exported), limit)
+
+
+# ---- decoders with a static KV cache -----------------------------------------------------------
+
+CACHED_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
+
+
+def cache_names(layers: int) -> tuple[str, ...]:
+    """Graph input names of the cache tensors: key_cache_0, value_cache_0, key_cache_1, ..."""
+    return tuple(f"{kind}_cache_{i}" for i in range(layers) for kind in ("key", "value"))
+
+
+class CachedDecoder(torch.nn.Module):
+    """A causal LM called with its static K/V cache as tensors (gpt-fast style), the calling
+    convention of an artifact's decoder:
+
+    `(input_ids [B, T], attention_mask [B, max_len], position_ids [B, T], cache_position [T],
+    key_cache_0, value_cache_0, ...) -> logits [B, T, vocab]`; each cache tensor is [B, KV heads,
+    max_len, head dim] and gets the T new keys / values at slots `cache_position`, in place.
+    `attention_mask` is 0 only on left-pad slots (later slots are masked by causality), so a
+    cache rolls back by writing over it. transformers' StaticCache holds the given tensors
+    (it allocates nothing); its layers write at `cache_position` and report `cache_position[0]`
+    as the length before this call (the causal mask's offset)."""
+
+    def __init__(self, model: torch.nn.Module, max_len: int):
+        super().__init__()
+        self.model, self.max_len = model, max_len
+
+    def forward(self, input_ids, attention_mask, position_ids, cache_position, *cache):
+        from transformers import StaticCache
+
+        static = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        for layer, keys, values in zip(static.layers, cache[0::2], cache[1::2], strict=True):
+            layer.keys, layer.values, layer.device = keys, values, keys.device
+            layer.batch_size, layer.num_heads = keys.shape[:2]
+            layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+            layer.cumulative_length = cache_position[0]  # the causal mask's query offset
+            layer.update = _writer(keys, values, cache_position)
+            layer.is_initialized = True
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, cache=static, use_cache=True).logits
+
+
+def _writer(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
+    """StaticLayer.update without its length counter: the new K/V go to `slots`, in place."""
+    def update(key_states, value_states, *args, **kwargs):
+        keys.index_copy_(2, slots, key_states)
+        values.index_copy_(2, slots, value_states)
+        return keys, values
+    return update
+
+
+def empty_cache(dims, batch: int, max_len: int, dtype, device) -> list[torch.Tensor]:
+    """Zeroed key and value tensors of every layer, in `cache_names` order."""
+    shape = (batch, dims.kv_heads, max_len, dims.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * dims.layers)]
+
+
+def cached_example_inputs(dims, max_len: int, batch: int, seq: int, dtype, device) -> dict:
+    """Inputs of a prefill of `seq` tokens into an empty cache (for tracing and FLOP counts)."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = {"input_ids": torch.randint(0, dims.vocab, (batch, seq), generator=generator),
+              "attention_mask": torch.ones(batch, max_len, dtype=torch.long),
+              "position_ids": torch.arange(seq).expand(batch, seq).contiguous(),
+              "cache_position": torch.arange(seq)}
+    inputs = {name: value.to(device) for name, value in inputs.items()}
+    cache = empty_cache(dims, batch, max_len, dtype, device)
+    return {**inputs, **dict(zip(cache_names(dims.layers), cache))}
+
+
+def _unwrap(gm: torch.fx.GraphModule, names: tuple[str, ...]) -> torch.fx.GraphModule:
+    """The exported CachedDecoder as a graph over the model itself: parameter targets and module
+    paths without the wrapper's `model.` prefix (the same names as the uncached graph's), and
+    the placeholders named `names`."""
+    prefix = "model."
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and not node.users:  # export's `_guards_fn` check
+            gm.graph.erase_node(node)
+        elif node.op == "get_attr":
+            node.target = node.target[len(prefix):]
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {
+                key: (path[len(prefix):], kind) for key, (path, kind) in stack.items()
+                if path.startswith(prefix)}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names, strict=True):
+        node.target = name
+        node._rename(name)
+    gm.graph._codegen = torch.fx.graph.CodeGen()  # plain positional inputs, no pytree specs
+    return torch.fx.GraphModule(gm.get_submodule("model"), gm.graph)
+
+
+def trace_cached(model: torch.nn.Module, architecture: Architecture, max_len: int) -> TracedModel:
+    """torch.export `CachedDecoder(model)`: one graph for prefill (T tokens) and decode (T = 1),
+    dynamic batch (1..4096) and T (1..max_len); the cache writes are in-place `index_copy_`
+    nodes on the cache inputs."""
+    if architecture.family != DECODER:
+        raise CompileError(f"a KV cache is for decoders; {architecture.model_type} is an encoder")
+    dims = architecture.dimensions(model.config)
+    device, dtype = model_placement(model)
+    names = CACHED_INPUTS + cache_names(dims.layers)
+    # batch and T of 2 or more: export specialises sizes 0 and 1
+    example = cached_example_inputs(dims, max_len, batch=2, seq=4, dtype=dtype, device=device)
+    wrapper = CachedDecoder(model, max_len).eval()
+
+    def export(dynamic):
+        batch = dynamic or torch.export.Dim("batch", min=1, max=4096)
+        seq = dynamic or torch.export.Dim("seq", min=1, max=max_len)
+        shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch, 1: seq}, {0: seq},
+                  tuple({0: batch} for _ in range(2 * dims.layers)))
+        with torch.no_grad():
+            return torch.export.export(wrapper, tuple(example[n] for n in names),
+                                       dynamic_shapes=shapes, strict=False)
+
+    exported = _export_or_retry(export, f"{type(model).__name__} with a KV cache")
+    return TracedModel(_unwrap(exported.module(), names), names, ["logits"], max_len)
