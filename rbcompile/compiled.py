@@ -1,6 +1,7 @@
 """`CompiledModel`: the generated module plus what it needs at run time; save and load."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from pathlib import Path
@@ -11,6 +12,7 @@ from . import __version__
 from .atomic import write_folder
 from .codegen import generate_source
 from .cuda_graphs import GraphCache, plan_key
+from .decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder, DecoderShape
 from .module import attach_weights, compile_regions, instantiate
 from .errors import UserError, first_line
 from .ir import check_ir
@@ -47,8 +49,9 @@ class CompiledModel:
     """
 
     def __init__(self, module: torch.nn.Module, ir: dict, source: str, manifest: dict, *,
-                 tokenizer_dir: Path | None, hf_config: dict):
+                 tokenizer_dir: Path | None, hf_config: dict, decoder: Decoder | None = None):
         self.module = module
+        self.decoder = decoder  # decoders: the KV-cached module generate() runs
         self.ir = ir
         self.source = source
         self.manifest = manifest
@@ -221,11 +224,15 @@ class CompiledModel:
         from safetensors.torch import save_file
 
         def write(tmp: Path) -> tuple[dict, list[str]]:
-            graph_bytes = json.dumps(self.ir, indent=1).encode()
-            (tmp / GRAPH).write_bytes(graph_bytes)
+            (tmp / GRAPH).write_text(json.dumps(self.ir, indent=1))
             (tmp / SOURCE).write_text(self.source)
-            tensors = {key: getattr(self.module, name).detach().contiguous().cpu()
-                       for name, key in self.module.PARAMETERS.items()}
+            modules = [self.module]
+            if self.decoder is not None:
+                (tmp / DECODER_GRAPH).write_text(json.dumps(self.decoder.ir, indent=1))
+                (tmp / DECODER_SOURCE).write_text(self.decoder.source)
+                modules.append(self.decoder.module)
+            tensors = {key: getattr(module, name).detach().contiguous().cpu()
+                       for module in modules for name, key in module.PARAMETERS.items()}
             save_file(tensors, str(tmp / WEIGHTS))
             (tmp / CONFIG).write_text(json.dumps(self.hf_config, indent=1, default=str))
             tokenizer_files = (copy_tokenizer_files(self.tokenizer_dir, tmp)
@@ -239,10 +246,14 @@ class CompiledModel:
                 **{k: v for k, v in self.manifest.items() if k not in ("schema_version", "files",
                                                                        "regions", "created",
                                                                        "rbcompile_version",
-                                                                       "offramps")},
+                                                                       "offramps", "decoder")},
                 **({"offramps": {"file": RAMP_FILE, "layers": self.offramps.layers,
                                  "threshold": self.offramps.threshold}}
                    if self.offramps is not None else {}),
+                **({"decoder": {"graph": DECODER_GRAPH, "source": DECODER_SOURCE,
+                                "gates": self.decoder.num_gates,
+                                "shape": dataclasses.asdict(self.decoder.shape)}}
+                   if self.decoder is not None else {}),
                 "regions": [{**{k: r[k] for k in r if k not in ("inputs", "outputs", "skip")},
                              **({"width_shares": {str(w): v for w, v in
                                                   self.width_shares[r["id"]].items()}}
@@ -279,23 +290,7 @@ def load(path, device=None, dtype=None) -> CompiledModel:
     check_same_dtype(getattr(torch, manifest.get("architecture", {}).get("dtype", "float32")),
                      requested_dtype)
     files = manifest["files"]
-    try:
-        graph_bytes = (path / GRAPH).read_bytes()
-        stored_source = (path / SOURCE).read_text()
-    except (FileNotFoundError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read artifact file ({exc.__class__.__name__}: "
-                        f"{getattr(exc, 'filename', None) or exc})") from None
-    try:
-        ir = json.loads(graph_bytes)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path / GRAPH}: corrupt JSON ({exc})") from None
-    if not isinstance(ir, dict):
-        raise UserError(f"{path / GRAPH}: expected a JSON object")
-    check_ir(ir)
-    source = generate_source(ir)
-    if source != stored_source:
-        raise UserError(f"{path / SOURCE}: does not match the code regenerated from {GRAPH} "
-                        "(edited, or written by another rbcompile version)")
+    ir, source = _read_graph(path, GRAPH, SOURCE)
     try:
         tensors = load_file(str(path / WEIGHTS), device=str(device))
     except FileNotFoundError:
@@ -313,11 +308,41 @@ def load(path, device=None, dtype=None) -> CompiledModel:
     except (FileNotFoundError, json.JSONDecodeError):
         hf_config = {}
     tokenizer_dir = path if files.get("tokenizer") else None
+    decoder = None
+    if "decoder" in manifest:
+        decoder_ir, decoder_source = _read_graph(path, DECODER_GRAPH, DECODER_SOURCE)
+        decoder_module = instantiate(decoder_source, f"{path} decoder")
+        attach_weights(decoder_module, tensors)
+        decoder = Decoder(decoder_module, decoder_ir, decoder_source,
+                          DecoderShape(**manifest["decoder"]["shape"]))
     compiled = CompiledModel(module, ir, source, manifest, tokenizer_dir=tokenizer_dir,
-                             hf_config=hf_config)
+                             hf_config=hf_config, decoder=decoder)
     if "offramps" in manifest:
         compiled.offramps = _load_offramps(path, manifest["offramps"])
     return compiled
+
+
+def _read_graph(path: Path, graph_name: str, source_name: str) -> tuple[dict, str]:
+    """(IR, source) of one generated module: the IR checked against the op allow-list, the
+    source regenerated from it and compared with the stored file."""
+    try:
+        graph_bytes = (path / graph_name).read_bytes()
+        stored_source = (path / source_name).read_text()
+    except (FileNotFoundError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read artifact file ({exc.__class__.__name__}: "
+                        f"{getattr(exc, 'filename', None) or exc})") from None
+    try:
+        ir = json.loads(graph_bytes)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path / graph_name}: corrupt JSON ({exc})") from None
+    if not isinstance(ir, dict):
+        raise UserError(f"{path / graph_name}: expected a JSON object")
+    check_ir(ir)
+    source = generate_source(ir)
+    if source != stored_source:
+        raise UserError(f"{path / source_name}: does not match the code regenerated from "
+                        f"{graph_name} (edited, or written by another rbcompile version)")
+    return ir, source
 
 
 def _load_offramps(path: Path, spec: dict) -> OffRamps:

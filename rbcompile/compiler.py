@@ -10,6 +10,7 @@ import torch
 from . import __version__
 from .architectures import DECODER, ENCODER, lookup
 from .codegen import generate_source
+from .decoder import Decoder, DecoderShape
 from .errors import UserError
 from .ir import build_ir
 from .models import checkpoint_sha256, load_hf_model, load_tokenizer, resolve_checkpoint
@@ -18,7 +19,7 @@ from .passes import CALIBRATED_PIPELINE, PIPELINE, PassContext, run_pipeline
 from .passes.annotate_flops import REFERENCE_SEQ
 from .placement import dtype_name, parse_device, parse_dtype
 from .progress import say, step
-from .trace import example_inputs, model_placement, trace
+from .trace import cached_example_inputs, example_inputs, model_placement, trace, trace_cached
 from .width import DEFAULT_LEVELS
 
 
@@ -148,6 +149,30 @@ def choose_plans(compiled, calibration: Calibration) -> tuple[dict, list[dict]]:
     return importance, plans
 
 
+def build_decoder(model, architecture, dims, weights: dict, title: str,
+                  kernels: bool = False) -> Decoder:
+    """The KV-cached decoder module (trace.CachedDecoder through the same passes and codegen),
+    over `weights` (the main module's tensors by key: one copy, permuted alike)."""
+    with step("tracing the KV-cached decoder (prefill and decode steps)"):
+        traced = trace_cached(model, architecture, dims.max_positions)
+    device, dtype = model_placement(model)
+    seq = min(REFERENCE_SEQ, dims.max_positions)
+    reference = cached_example_inputs(dims, seq, batch=1, seq=seq, dtype=dtype, device=device)
+    ctx = PassContext(family=architecture.family, reference_inputs=reference,
+                      input_names=traced.input_names, architecture=architecture, dims=dims,
+                      kernels=kernels)
+    gm = traced.graph_module
+    with step(f"running {len(PIPELINE)} passes on the decoder"):
+        run_pipeline(gm, ctx)
+    ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names)
+    own = graph_weights(gm, ir)
+    source, module = build_module(ir, {key: weights.get(key, own[key]) for key in own},
+                                  f"{title} decoder")
+    shape = DecoderShape(dims.layers, dims.kv_heads, dims.head_dim, dims.vocab,
+                         dims.max_positions)
+    return Decoder(module, ir, source, shape)
+
+
 def _load(model_or_path, calib, device, dtype):
     """(eval-mode model on `device` in `dtype`, checkpoint folder or None, manifest source,
     tokenizer when calibrating)."""
@@ -223,12 +248,14 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     weights = graph_weights(gm, ir)
     if calibration is not None:
         ir["variants"] = width_variants(model, ir, weights, ctx, calibration.levels)
-    source_code, module = build_module(
-        ir, weights, f"{source['name']} ({arch['class']}, rbcompile {__version__})")
+    title = f"{source['name']} ({arch['class']}, rbcompile {__version__})"
+    source_code, module = build_module(ir, weights, title)
+    decoder = (build_decoder(model, architecture, dims, weights, title, kernels)
+               if architecture.family == DECODER else None)
     manifest = {"source": source, "architecture": arch, "passes": ctx.history,
                 "cache_candidates": ctx.cache_candidates}
     artifact = dict(module=module, ir=ir, source=source_code, tokenizer_dir=checkpoint,
-                    hf_config=model.config.to_dict())
+                    hf_config=model.config.to_dict(), decoder=decoder)
     compiled = CompiledModel(manifest=manifest, **artifact)
     if calibration is None:
         return compiled

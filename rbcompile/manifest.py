@@ -122,6 +122,14 @@ def validate(manifest: dict, where) -> None:
             gates.append(region["gate"])
     if sorted(gates) != list(range(len(gates))):
         _fail(where, f"gates must be 0..{len(gates) - 1}, one per prunable region")
+    decoder = manifest.get("decoder")
+    if decoder is not None and not (
+            isinstance(decoder, dict) and isinstance(decoder.get("gates"), int)
+            and isinstance(decoder.get("shape"), dict)
+            and all(isinstance(decoder["shape"].get(k), int) and decoder["shape"][k] > 0
+                    for k in ("layers", "kv_heads", "head_dim", "vocab", "max_positions"))):
+        _fail(where, "decoder needs integer gates and a shape (layers, kv_heads, head_dim, "
+                     "vocab, max_positions)")
     plans = manifest.get("plans")
     if plans is None:
         return

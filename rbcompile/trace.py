@@ -126,6 +126,7 @@ class CachedDecoder(torch.nn.Module):
             layer.keys, layer.values, layer.device = keys, values, keys.device
             layer.batch_size, layer.num_heads = keys.shape[:2]
             layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+            layer.max_cache_len = keys.shape[2]  # the cache's length is the caller's choice
             layer.cumulative_length = cache_position[0]  # the causal mask's query offset
             layer.update = _writer(keys, values, cache_position)
             layer.is_initialized = True
@@ -185,22 +186,25 @@ def _unwrap(gm: torch.fx.GraphModule, names: tuple[str, ...]) -> torch.fx.GraphM
 
 def trace_cached(model: torch.nn.Module, architecture: Architecture, max_len: int) -> TracedModel:
     """torch.export `CachedDecoder(model)`: one graph for prefill (T tokens) and decode (T = 1),
-    dynamic batch (1..4096) and T (1..max_len); the cache writes are in-place `index_copy_`
-    nodes on the cache inputs."""
+    dynamic batch (1..4096), T (1..max_len) and cache length (2..max_len: each generation
+    allocates what it needs); the cache writes are in-place `index_copy_` nodes on the cache
+    inputs."""
     if architecture.family != DECODER:
         raise CompileError(f"a KV cache is for decoders; {architecture.model_type} is an encoder")
     dims = architecture.dimensions(model.config)
     device, dtype = model_placement(model)
     names = CACHED_INPUTS + cache_names(dims.layers)
-    # batch and T of 2 or more: export specialises sizes 0 and 1
-    example = cached_example_inputs(dims, max_len, batch=2, seq=4, dtype=dtype, device=device)
+    # batch and T of 2 or more (export specialises sizes 0 and 1), a short cache
+    example = cached_example_inputs(dims, min(max_len, 32), batch=2, seq=4, dtype=dtype,
+                                    device=device)
     wrapper = CachedDecoder(model, max_len).eval()
 
     def export(dynamic):
         batch = dynamic or torch.export.Dim("batch", min=1, max=4096)
         seq = dynamic or torch.export.Dim("seq", min=1, max=max_len)
-        shapes = ({0: batch, 1: seq}, {0: batch}, {0: batch, 1: seq}, {0: seq},
-                  tuple({0: batch} for _ in range(2 * dims.layers)))
+        length = dynamic or torch.export.Dim("cache_len", min=2, max=max_len)
+        shapes = ({0: batch, 1: seq}, {0: batch, 1: length}, {0: batch, 1: seq}, {0: seq},
+                  tuple({0: batch, 2: length} for _ in range(2 * dims.layers)))
         with torch.no_grad():
             return torch.export.export(wrapper, tuple(example[n] for n in names),
                                        dynamic_shapes=shapes, strict=False)

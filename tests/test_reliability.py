@@ -87,6 +87,9 @@ def test_schema_1_artifact_is_replaced_but_not_loaded(artifact, tiny_checkpoints
     manifest = json.loads((old / "manifest.json").read_text())
     manifest["schema_version"] = 1
     del manifest["files"]["sha256"]
+    for name in ("decoder_graph.json", "decoder.py"):  # schema 1 had no KV-cached decoder
+        (old / name).unlink()
+    del manifest["decoder"]
     (old / "manifest.json").write_text(json.dumps(manifest))
     assert main(["inspect", str(old)]) == 2
     assert "unsupported schema version 1 (this rbcompile reads 2); recompile it" in _last_error(capsys)

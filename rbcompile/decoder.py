@@ -1,0 +1,62 @@
+"""An artifact's KV-cached decoder: the generated module of the `trace.CachedDecoder` graph.
+
+A decoder artifact holds two generated modules over the same weights: `model.py` (the whole
+sequence at once, the graph the budget plans are calibrated on) and `decoder.py` (prefill and
+decode steps with a static K/V cache, see trace.CachedDecoder for the calling convention). In
+the decoder graph the attention branches write the cache, so they are skeleton; the MLP
+branches are its prunable regions, gated by unit name from the main graph's plans.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DECODER_GRAPH, DECODER_SOURCE = "decoder_graph.json", "decoder.py"
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a generation loop needs to know about a decoder."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+
+
+class Decoder:
+    """`step(input_ids, attention_mask, position_ids, cache_position, cache, gates=None)`
+    -> logits [B, T, vocab], writing the T new keys / values into `cache` (a list of tensors
+    in trace.cache_names order) at slots `cache_position`."""
+
+    def __init__(self, module: torch.nn.Module, ir: dict, source: str, shape: DecoderShape):
+        self.module, self.ir, self.source, self.shape = module, ir, source, shape
+        self.num_gates = module.NUM_GATES
+        self.unit_gates = {region["name"]: region["gate"] for region in ir["regions"]
+                           if region["kind"] == "prunable"}
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.module.buffers())).dtype
+
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache,
+                 gates=None) -> torch.Tensor:
+        gates = [True] * self.num_gates if gates is None else gates
+        with torch.no_grad():
+            return self.module(input_ids, attention_mask, position_ids, cache_position, *cache,
+                               gates)[0]
+
+    def gates_from(self, regions: list[dict], gates) -> list[bool]:
+        """The decoder's gates for a plan of the main graph (`regions`, `gates`): each MLP runs
+        when the main graph's region of the same unit runs; skipped attention branches of the
+        plan still run here (they write the cache)."""
+        chosen = [True] * self.num_gates
+        for region in regions:
+            if region["kind"] == "prunable" and region["name"] in self.unit_gates:
+                chosen[self.unit_gates[region["name"]]] = bool(gates[region["gate"]])
+        return chosen
