@@ -1,0 +1,484 @@
+"""KV-cached text generation on a decoder step, with optional speculative decoding.
+
+The step is the generated decoder module's calling convention:
+`step(input_ids [B,T], attention_mask [B,max_len], position_ids [B,T], cache_position [T], kv)
+-> logits [B,T,vocab]`, writing the K/V of the T tokens into `kv` at slots `cache_position`.
+
+A vLLM-like engine in miniature, calls going one way: the `Scheduler` (one request's loop:
+prefill, then decode steps, finished rows leave the batch) asks a speculation policy which
+drafter to use, the drafter proposes tokens (n-gram lookup, or the light path run on the same
+cache), the `ModelRunner` runs the full step on [last token + drafts], `verify` keeps the drafts
+the full path agrees with, and the `StaticKVCache` commits the kept slots. All rows share the
+cache's slot index, so a step keeps the minimum number of drafts kept over the rows; a row's
+extra accepted tokens are re-derived on the next step (lossless: greedy is deterministic, and
+sampling re-draws from the right conditional).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Callable, Iterator
+
+import torch
+
+from .drafters import NGramDrafter
+from .errors import UserError
+from .kv_cache import StaticKVCache
+from .sampling import SamplingConfig, verify
+
+SPECULATE_MODES = ("off", "ngram", "self", "auto")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The decoder dimensions the engine needs: the KV cache's shape and the position limit."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+
+    @classmethod
+    def from_config(cls, config, dtype=torch.float32, device="cpu") -> "DecoderShape":
+        """From a transformers config (llama-style and gpt2-style names both work)."""
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        return cls(layers=text.num_hidden_layers,
+                   kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+                   max_positions=text.max_position_embeddings, dtype=dtype, device=device)
+
+
+@dataclass
+class GenerationStats:
+    """Counters of one request. Token counts are summed over rows."""
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0            # engine time, not counting a stream consumer's time
+    forward_calls: int = 0          # step and draft-step calls, prefill included
+    drafted: int = 0                # draft tokens sent to verification
+    accepted: int = 0               # drafts kept (each step keeps the batch minimum)
+    decode_steps: int = 0           # full-path steps after prefill
+    step_tokens: int = 0            # tokens per row emitted by those steps, summed
+    rows_per_step: list[int] = field(default_factory=list)   # batch of each full step
+    steps_by_mode: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per row per decode step (1 + accepted drafts; 1.0 without speculation)."""
+        return self.step_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    def record_step(self, mode: str, rows: int, tokens: int, drafted: int, kept: int) -> None:
+        self.decode_steps += 1
+        self.step_tokens += tokens
+        self.drafted += drafted * rows
+        self.accepted += kept * rows
+        self.steps_by_mode[mode] = self.steps_by_mode.get(mode, 0) + 1
+
+
+@dataclass
+class GenerationResult:
+    """Per input row: the new tokens (EOS included, nothing past a stop string), the prompt's
+    tokens followed by them, and the new text (cut at the stop string's end) when a `decode`
+    was given."""
+    tokens: list[list[int]]
+    sequences: list[list[int]]
+    texts: list[str] | None
+    stats: GenerationStats
+
+
+class ModelRunner:
+    """Runs the full step, or the draft step (light path), on the cache's next slots."""
+
+    def __init__(self, step: Callable, draft_step: Callable | None, cache: StaticKVCache,
+                 stats: GenerationStats):
+        self.step, self.draft_step, self.cache, self.stats = step, draft_step, cache, stats
+
+    def forward(self, tokens: torch.Tensor, offset: int = 0, light: bool = False) -> torch.Tensor:
+        """Logits [B, T, vocab] of `tokens` [B, T] written from slot `length + offset` on."""
+        attention_mask, position_ids, cache_position = self.cache.inputs(tokens.shape[1], offset)
+        step = self.draft_step if light else self.step
+        with torch.no_grad():
+            logits = step(tokens, attention_mask, position_ids, cache_position, self.cache.tensors)
+        self.stats.forward_calls += 1
+        if not light:
+            self.stats.rows_per_step.append(tokens.shape[0])
+        return logits
+
+
+@dataclass
+class Drafts:
+    """The same number of draft tokens for every row, and the distributions they were drawn
+    from (None: each proposed with probability 1)."""
+    tokens: torch.Tensor                 # [B, k]
+    probs: torch.Tensor | None = None    # [B, k, vocab]
+
+
+class Drafter:
+    """Proposes up to `limit` tokens following each row's pending token, or None."""
+    name = ""
+
+    def propose(self, pending: torch.Tensor, limit: int) -> Drafts | None:
+        raise NotImplementedError
+
+    def observe(self, emitted: list[list[int]]) -> None:
+        """The tokens each row emitted this step."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Only batch rows `rows` go on."""
+
+
+class NGramProposer(Drafter):
+    """Prompt lookup per row (`NGramDrafter`); drafts are cut to the shortest row's proposal,
+    since a step cannot keep more drafts than its shortest row has."""
+    name = "ngram"
+
+    def __init__(self, prompts: list[list[int]]):
+        self.drafters = [NGramDrafter(prompt) for prompt in prompts]
+
+    def propose(self, pending, limit):
+        proposals = [drafter.propose(limit) for drafter in self.drafters]
+        length = min(len(proposal) for proposal in proposals)
+        if not length:
+            return None
+        return Drafts(torch.tensor([p[:length] for p in proposals], device=pending.device))
+
+    def observe(self, emitted):
+        for drafter, tokens in zip(self.drafters, emitted):
+            drafter.extend(tokens)
+
+    def keep_rows(self, rows):
+        self.drafters = [self.drafters[row] for row in rows]
+
+
+class SelfDrafter(Drafter):
+    """Self-speculation: the light path drafts one token at a time on the same cache (its
+    approximate K/V are overwritten by the verifying full step), and stops when any row's top
+    draft probability falls below `threshold` (adaptive draft length)."""
+    name = "self"
+
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator, threshold: float):
+        self.runner, self.sampling, self.generator, self.threshold = runner, sampling, generator, threshold
+
+    def propose(self, pending, limit):
+        tokens, probs = [], []
+        current = pending[:, None]
+        for offset in range(limit):
+            logits = self.runner.forward(current, offset, light=True)[:, -1]
+            distribution = self.sampling.probabilities(logits)
+            if distribution.max(-1).values.min() < self.threshold:
+                break
+            if self.sampling.do_sample:
+                draft = torch.multinomial(distribution, 1, generator=self.generator).squeeze(-1)
+            else:
+                draft = logits.argmax(-1)
+            tokens.append(draft)
+            probs.append(distribution)
+            current = draft[:, None]
+        if not tokens:
+            return None
+        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if self.sampling.do_sample else None)
+
+
+class FixedPolicy:
+    """Always the same mode."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+
+    def choose(self) -> str:
+        return self.mode
+
+    def record(self, mode: str, tokens: int, seconds: float, drafted: int, kept: int) -> None:
+        pass
+
+
+class AutoPolicy:
+    """Per-request choice among 'off' and drafters by measured tokens per second.
+
+    Each mode first runs `probe_steps` steps (round robin); then the fastest over its last
+    `window` steps runs. A drafter must beat 'off' by `margin` and keep at least
+    `min_acceptance` of its drafts (so with drafts that never match, speculation turns off
+    whatever the timings' noise). The others are re-measured one step at a time, after
+    `retry_after` steps, doubling each time they lose (up to `max_retry_after`), so a losing
+    drafter costs a vanishing share of the steps."""
+
+    def __init__(self, modes: list[str], probe_steps: int = 2, window: int = 4,
+                 margin: float = 1.05, min_acceptance: float = 0.1, retry_after: int = 8,
+                 max_retry_after: int = 256):
+        self.modes, self.current = modes, "off"
+        self.margin, self.min_acceptance = margin, min_acceptance
+        self.base_retry, self.max_retry = retry_after, max_retry_after
+        self.history = {mode: deque(maxlen=window) for mode in modes}
+        self.probes = [mode for _ in range(probe_steps) for mode in modes]
+        self.exploration_steps = len(self.probes)
+        self.retry_after = dict.fromkeys(modes, retry_after)
+        self.next_probe = dict.fromkeys(modes, 0)
+        self.step = 0
+
+    def choose(self) -> str:
+        self.step += 1
+        if self.probes:
+            return self.probes.pop(0)
+        due = [mode for mode in self.modes if mode != self.current and self.next_probe[mode] <= self.step]
+        return due[0] if due else self.current
+
+    def record(self, mode, tokens, seconds, drafted, kept):
+        self.history[mode].append((tokens, seconds, drafted, kept))
+        if self.step < self.exploration_steps:
+            return
+        best = self._best()
+        if mode not in (best, self.current) and self.step > self.exploration_steps:   # lost again
+            self.retry_after[mode] = min(2 * self.retry_after[mode], self.max_retry)
+        if best != self.current:
+            self.retry_after[best] = self.base_retry
+            self.current = best
+        for other in self.modes:
+            if other != best and self.next_probe[other] <= self.step:
+                self.next_probe[other] = self.step + self.retry_after[other]
+
+    def _best(self) -> str:
+        best, best_rate = "off", self._rate("off") * self.margin
+        for mode in self.modes:
+            history = self.history[mode]
+            drafted = sum(h[2] for h in history)
+            if mode == "off" or not drafted or sum(h[3] for h in history) < self.min_acceptance * drafted:
+                continue
+            if self._rate(mode) > best_rate:
+                best, best_rate = mode, self._rate(mode)
+        return best
+
+    def _rate(self, mode: str) -> float:
+        history = self.history[mode]
+        seconds = sum(h[1] for h in history)
+        return sum(h[0] for h in history) / seconds if seconds else 0.0
+
+
+@dataclass
+class _Row:
+    index: int                                   # the row in the caller's batch
+    tokens: list[int] = field(default_factory=list)
+    searched: int = 0                            # text already searched for stop strings
+    text_end: int | None = None                  # where the first stop string ends
+
+
+class StopCriteria:
+    """When a row is done: an EOS token (kept), a stop string in its new text (kept up to the
+    token that completes it), or `max_new_tokens`."""
+
+    def __init__(self, max_new_tokens: int, eos_token_ids, stop: list[str], decode):
+        self.max_new_tokens, self.eos, self.stop, self.decode = max_new_tokens, set(eos_token_ids), stop, decode
+
+    def finished(self, row: _Row) -> bool:
+        return (row.tokens[-1] in self.eos or (bool(self.stop) and self._stop_reached(row))
+                or len(row.tokens) >= self.max_new_tokens)
+
+    def _stop_reached(self, row: _Row) -> bool:
+        text = self.decode(row.tokens)
+        ends = [found + len(s) for s in self.stop
+                if (found := text.find(s, max(0, row.searched - len(s) + 1))) >= 0]
+        row.searched = len(text)
+        if ends:
+            row.text_end = min(ends)
+        return bool(ends)
+
+    def text(self, row: _Row) -> str:
+        return self.decode(row.tokens)[:row.text_end]
+
+
+class Scheduler:
+    """One request: prefill, then decode steps in the mode the policy chooses, until every row
+    is done; finished rows leave the batch. Iterate for (row, token) as tokens are accepted,
+    then call `result()`."""
+
+    def __init__(self, runner: ModelRunner, prompt_ids: torch.Tensor, prompts: list[list[int]], *,
+                 sampling: SamplingConfig, generator, criteria: StopCriteria,
+                 drafters: dict[str, Drafter], policy, draft_tokens: int):
+        self.runner, self.cache, self.stats = runner, runner.cache, runner.stats
+        self.prompt_ids, self.prompts = prompt_ids, prompts
+        self.sampling, self.generator, self.criteria = sampling, generator, criteria
+        self.drafters, self.policy, self.draft_tokens = drafters, policy, draft_tokens
+        self.all_rows = [_Row(index) for index in range(len(prompts))]
+        self.rows = list(self.all_rows)
+        self.pending = None      # [B] each running row's last token, not yet in the cache
+        self.stats.prompt_tokens = sum(len(prompt) for prompt in prompts)
+        self._resumed = 0.0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        self._resumed = perf_counter()
+        logits = self.runner.forward(self.prompt_ids)
+        self.cache.commit(self.prompt_ids.shape[1])
+        first = self.sampling.choose(logits[:, -1], self.generator).tolist()
+        yield from self._emit(self._advance([[token] for token in first]))
+        while self.rows:
+            mode = self.policy.choose()
+            started = perf_counter()
+            emitted, drafted, kept = self._decode_step(self.drafters.get(mode))
+            self.policy.record(mode, kept + 1, perf_counter() - started, drafted, kept)
+            self.stats.record_step(mode, len(self.rows), kept + 1, drafted, kept)
+            yield from self._emit(self._advance(emitted))
+        self.stats.seconds += perf_counter() - self._resumed
+
+    def result(self) -> GenerationResult:
+        """The outputs and stats, once iteration is over."""
+        if self.rows or self.pending is None:
+            raise RuntimeError("generation is not finished")
+        self.stats.new_tokens = sum(len(row.tokens) for row in self.all_rows)
+        tokens = [row.tokens for row in self.all_rows]
+        texts = [self.criteria.text(row) for row in self.all_rows] if self.criteria.decode else None
+        return GenerationResult(tokens, [p + t for p, t in zip(self.prompts, tokens)], texts, self.stats)
+
+    def _decode_step(self, drafter: Drafter | None):
+        """Run one full step; (tokens each row emits, drafts per row, drafts kept)."""
+        budget = min(self.draft_tokens, self.criteria.max_new_tokens - len(self.rows[0].tokens) - 1,
+                     self.cache.max_len - self.cache.length - 1)
+        drafts = drafter.propose(self.pending, budget) if drafter and budget > 0 else None
+        if drafts is None:
+            logits = self.runner.forward(self.pending[:, None])
+            self.cache.commit(1)
+            return [[token] for token in self.sampling.choose(logits[:, -1], self.generator).tolist()], 0, 0
+        logits = self.runner.forward(torch.cat([self.pending[:, None], drafts.tokens], 1))
+        verdicts = [verify(self.sampling, logits[row], drafts.tokens[row],
+                           None if drafts.probs is None else drafts.probs[row], self.generator)
+                    for row in range(len(self.rows))]
+        kept = min(row_kept for row_kept, _ in verdicts)
+        emitted = [draft[:kept] + [draft[kept] if row_kept > kept else following]
+                   for draft, (row_kept, following) in zip(drafts.tokens.tolist(), verdicts)]
+        self.cache.commit(kept + 1)
+        return emitted, drafts.tokens.shape[1], kept
+
+    def _advance(self, emitted: list[list[int]]) -> list[tuple[int, int]]:
+        """Append each row's emitted tokens up to where it finishes; drop finished rows.
+        Returns the (row, token) events."""
+        events, keep = [], []
+        for position, (row, tokens) in enumerate(zip(self.rows, emitted)):
+            for token in tokens:
+                row.tokens.append(token)
+                events.append((row.index, token))
+                if self.criteria.finished(row):
+                    break
+            else:
+                keep.append(position)
+        for drafter in self.drafters.values():
+            drafter.observe(emitted)
+        self.pending = torch.tensor([emitted[position][-1] for position in keep],
+                                    dtype=torch.long, device=self.prompt_ids.device)
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[position] for position in keep]
+            if keep:
+                self.cache.keep_rows(torch.tensor(keep))
+                for drafter in self.drafters.values():
+                    drafter.keep_rows(keep)
+        return events
+
+    def _emit(self, events):
+        """Yield events; the consumer's time between them is not the engine's."""
+        for event in events:
+            self.stats.seconds += perf_counter() - self._resumed
+            yield event
+            self._resumed = perf_counter()
+
+
+def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShape,
+           max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+           eos_token_ids=(), stop: list[str] | None = None, decode: Callable | None = None,
+           speculate: str = "off", draft_step: Callable | None = None, max_len: int | None = None,
+           draft_tokens: int = 4, draft_threshold: float = 0.5) -> Scheduler:
+    """Generate from left-padded prompts `input_ids` [B, P] (or [P]); iterate the result for
+    (row, token) as tokens are accepted, then call its `result()`.
+
+    `speculate`: 'off' (one token per step), 'ngram' (prompt lookup), 'self' (the light path
+    `draft_step`, same interface as `step`, drafts on the same cache), or 'auto' (per request,
+    whichever of those measures fastest). `draft_tokens`: at most this many drafts per step;
+    `draft_threshold`: the light path stops drafting below this top probability. `stop`
+    strings need `decode` (token ids -> text). `max_len`: the cache length (default: prompt +
+    max_new_tokens). Bad input raises a one-line `UserError` before anything runs."""
+    prompt_ids, pads = _check_prompts(input_ids, attention_mask)
+    max_len = _check_lengths(prompt_ids.shape[1], max_new_tokens, shape.max_positions, max_len)
+    _check_speculation(speculate, draft_step, draft_tokens)
+    if stop and decode is None:
+        raise UserError("stop strings need a decode function (token ids -> text)")
+    if any(not s for s in stop or ()):
+        raise UserError("stop strings must not be empty")
+    eos_token_ids = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
+
+    stats = GenerationStats()
+    cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, max_len, pads,
+                          shape.dtype, shape.device)
+    runner = ModelRunner(step, draft_step, cache, stats)
+    prompts = [row[pad:] for row, pad in zip(prompt_ids.tolist(), pads.tolist())]
+    generator = sampling.generator(shape.device)
+    drafters: dict[str, Drafter] = {}
+    if speculate in ("ngram", "auto"):
+        drafters["ngram"] = NGramProposer(prompts)
+    if speculate in ("self", "auto") and draft_step is not None:
+        drafters["self"] = SelfDrafter(runner, sampling, generator, draft_threshold)
+    policy = AutoPolicy(["off", *drafters]) if speculate == "auto" else FixedPolicy(speculate)
+    return Scheduler(runner, prompt_ids.to(shape.device), prompts, sampling=sampling,
+                     generator=generator, criteria=StopCriteria(max_new_tokens, eos_token_ids, stop or [], decode),
+                     drafters=drafters, policy=policy, draft_tokens=draft_tokens)
+
+
+def generate(step: Callable, input_ids, attention_mask=None, **options) -> GenerationResult:
+    """Generate to the end; the options are `stream`'s."""
+    events = stream(step, input_ids, attention_mask, **options)
+    for _ in events:
+        pass
+    return events.result()
+
+
+def _check_prompts(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt ids [B, P], left-pad count per row)."""
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2:
+        raise UserError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise UserError("the prompt is empty (0 tokens)")
+    mask = torch.ones_like(input_ids) if attention_mask is None else torch.as_tensor(attention_mask).long()
+    mask = mask[None] if mask.dim() == 1 else mask
+    if mask.shape != input_ids.shape:
+        raise UserError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids' {tuple(input_ids.shape)}")
+    lengths = mask.sum(-1)
+    if (lengths == 0).any():
+        raise UserError(f"prompt row {int((lengths == 0).nonzero()[0])} is empty (0 tokens)")
+    pads = input_ids.shape[1] - lengths
+    if not torch.equal(mask, (torch.arange(input_ids.shape[1])[None] >= pads[:, None]).long()):
+        raise UserError("attention_mask must be left padding: per row, 0s then 1s")
+    return input_ids, pads
+
+
+def _check_lengths(prompt_length: int, max_new_tokens: int, max_positions: int, max_len) -> int:
+    """The cache length."""
+    if prompt_length >= max_positions:
+        raise UserError(f"the prompt has {prompt_length} tokens; the model allows fewer than "
+                        f"{max_positions} positions")
+    left = max_positions - prompt_length
+    if not 1 <= max_new_tokens <= left:
+        raise UserError(f"max_new_tokens must be between 1 and the {left} positions left after the "
+                        f"{prompt_length}-token prompt (max positions {max_positions}), got {max_new_tokens}")
+    needed = prompt_length + max_new_tokens
+    if max_len is not None and max_len < needed:
+        raise UserError(f"max_len={max_len} is less than the prompt ({prompt_length}) plus "
+                        f"max_new_tokens ({max_new_tokens})")
+    return needed if max_len is None else max_len
+
+
+def _check_speculation(speculate: str, draft_step, draft_tokens: int) -> None:
+    if speculate not in SPECULATE_MODES:
+        raise UserError(f"unknown speculate={speculate!r}; valid: {', '.join(SPECULATE_MODES)}")
+    if speculate == "self" and draft_step is None:
+        raise UserError("speculate='self' needs a draft_step (the light path)")
+    if draft_tokens < 1:
+        raise UserError(f"draft_tokens must be >= 1, got {draft_tokens}")
