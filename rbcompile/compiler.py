@@ -15,6 +15,7 @@ from .errors import UserError
 from .ir import build_ir
 from .models import checkpoint_sha256, load_hf_model, load_tokenizer, resolve_checkpoint
 from .module import attach_weights, instantiate
+from .offramps import train_offramps
 from .passes import CALIBRATED_PIPELINE, PIPELINE, PassContext, run_pipeline
 from .passes.annotate_flops import REFERENCE_SEQ
 from .placement import dtype_name, parse_device, parse_dtype
@@ -266,8 +267,6 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
         "permutations": ctx.permutations}}
     calibrated = CompiledModel(manifest=manifest, **artifact)
     if calibration.head is not None:
-        from .runtime.early_exit import train_offramps
-
         batches = calibration.batches
         with step("training early-exit off-ramps"):
             calibrated.offramps = train_offramps(calibrated, batches.calibration,

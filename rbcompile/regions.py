@@ -2,7 +2,7 @@
 interpreter that runs them.
 
 Every generated module (codegen.py) lists its regions in run order as `REGIONS`, a tuple of
-`Region`s. Its `forward`, the staged runner (runtime/staged.py) and calibration read method
+`Region`s. Its `forward`, the staged runner (rbcompile/staged.py) and calibration read method
 names from that table and run regions through `run_region`: a cache region through the module's
 shape-keyed cache, a skeleton region always, a prunable region only when its gate is on (off:
 its output is the residual stream it reads, an identity) and at the width level `width_level`

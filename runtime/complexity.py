@@ -53,7 +53,7 @@ class ComplexityEstimator:
 
     def uncertainty(self, runner, stage) -> torch.Tensor:
         """Early-layer uncertainty in [0, 1] per row of a stage that has run the probe layer."""
-        mask = stage.env[runner.input_names[1]]
+        mask = stage.env[runner.mask_input]
         if self.compiled.family == "encoder":
             ramp = self.compiled.offramps.ramps[self.probe_layer]
             probs = head_logits(ramp, runner.stream_value(stage), mask).softmax(-1)

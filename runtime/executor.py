@@ -21,7 +21,7 @@ from ..quality import head_logits, mean_pool
 from .complexity import ComplexityEstimator, Tiers
 from .early_exit import cascade
 from .policy import Decision
-from .staged import StagedRunner
+from ..staged import StagedRunner
 
 
 @dataclass
@@ -157,8 +157,8 @@ class TieredExecutor:
         if stage is not None:
             runner.advance(stage, gates, widths)
             outputs = runner.result(stage)
-            mask = stage.env[runner.input_names[1]]
-            ids = stage.env[runner.input_names[0]]
+            mask = stage.env[runner.mask_input]
+            ids = stage.env[runner.ids_input]
             skipped = self._skipped(gates, widths, probe)
             for index, row in enumerate(stage.rows.tolist()):
                 summary = self._summarise(outputs, ids, mask, index)

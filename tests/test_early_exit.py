@@ -10,7 +10,8 @@ from conftest import random_batch
 from rbcompile.errors import UserError
 from rbcompile.quality import head_logits
 from rbcompile.offramps import RAMP_FILE, OffRamps
-from rbcompile.runtime.early_exit import choose_threshold, run_with_exits
+from rbcompile.offramps import choose_threshold
+from rbcompile.runtime.early_exit import run_with_exits
 
 
 def _full_logits(compiled, ids, mask):

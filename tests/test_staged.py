@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import ARCHS, random_batch
-from rbcompile.runtime.staged import StagedRunner
+from rbcompile.staged import StagedRunner
 
 
 def _setting(compiled, seed):

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CompileError
-from ..regions import run_region
+from .architectures import REGISTRY
+from .errors import CompileError
+from .regions import run_region
 
 
 @dataclass
@@ -36,6 +37,9 @@ class StagedRunner:
         self.table = compiled.module.REGIONS  # what runs, in order (rbcompile/regions.py)
         self.regions = compiled.regions       # the IR's regions: names and layers
         self.input_names = list(compiled.ir["inputs"])
+        architecture = REGISTRY[compiled.manifest["architecture"]["model_type"]]
+        self.mask_input = architecture.mask_input  # the attention mask's name in `env`
+        self.ids_input = architecture.inputs[0]
         self.outputs = [(name, var) for name, var in compiled.ir["outputs"]]
         self.producer = {name: index for index, region in enumerate(self.table)
                          for name in region.outputs}
