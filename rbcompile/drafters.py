@@ -31,9 +31,12 @@ class NGramDrafter:
 
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
-        n-gram; [] when no suffix occurred before."""
+        n-gram, copied with overlap (LZ77-style: a continuation that runs into the end of the
+        tokens goes on with its own start, so a loop is drafted `k` tokens ahead); [] when no
+        suffix occurred before."""
         for n in range(min(self.max_n, len(self.tokens)), self.min_n - 1, -1):
             end = self._last_end.get(tuple(self.tokens[-n:]))
             if end is not None:
-                return self.tokens[end:end + k]
+                period = len(self.tokens) - end
+                return [self.tokens[end + i % period] for i in range(k)]
         return []

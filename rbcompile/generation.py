@@ -206,46 +206,45 @@ class FixedPolicy:
 class AutoPolicy:
     """Per-request choice among 'off' and drafters by measured tokens per second.
 
-    Each mode first runs `probe_steps` steps (round robin); then the fastest over its last
-    `window` steps runs. A drafter must beat 'off' by `margin` and keep at least
-    `min_acceptance` of its drafts (so with drafts that never match, speculation turns off
-    whatever the timings' noise). The others are re-measured one step at a time, after
-    `retry_after` steps, doubling each time they lose (up to `max_retry_after`), so a losing
-    drafter costs a vanishing share of the steps."""
+    Each mode runs one step first; then the fastest over its last `window` steps runs. A
+    drafter must beat 'off' by `margin` and keep at least `min_acceptance` of its drafts (so
+    with drafts that never match, speculation turns off whatever the timings' noise). The
+    other modes are re-measured one step at a time, at least `retry_after` steps apart, and
+    only while the time the re-measurements lost against the running mode stays within
+    `budget` of the time elapsed: a drafter that does not pay costs at most that share, after
+    its first step."""
 
-    def __init__(self, modes: list[str], probe_steps: int = 2, window: int = 4,
-                 margin: float = 1.05, min_acceptance: float = 0.1, retry_after: int = 8,
-                 max_retry_after: int = 256):
+    def __init__(self, modes: list[str], window: int = 4, margin: float = 1.05,
+                 min_acceptance: float = 0.1, retry_after: int = 8, budget: float = 0.04):
         self.modes, self.current = modes, "off"
         self.margin, self.min_acceptance = margin, min_acceptance
-        self.base_retry, self.max_retry = retry_after, max_retry_after
+        self.retry_after, self.budget = retry_after, budget
         self.history = {mode: deque(maxlen=window) for mode in modes}
-        self.probes = [mode for _ in range(probe_steps) for mode in modes]
-        self.exploration_steps = len(self.probes)
-        self.retry_after = dict.fromkeys(modes, retry_after)
-        self.next_probe = dict.fromkeys(modes, 0)
-        self.step = 0
+        self.probes = list(modes)
+        self.last_probe = dict.fromkeys(modes, 0)
+        self.probe_loss = dict.fromkeys(modes, 0.0)   # what the mode's last re-measurement lost
+        self.step, self.elapsed, self.lost = 0, 0.0, 0.0
 
     def choose(self) -> str:
         self.step += 1
         if self.probes:
             return self.probes.pop(0)
-        due = [mode for mode in self.modes if mode != self.current and self.next_probe[mode] <= self.step]
-        return due[0] if due else self.current
+        for mode in self.modes:
+            if (mode != self.current and self.step - self.last_probe[mode] >= self.retry_after
+                    and self.lost + self.probe_loss[mode] <= self.budget * self.elapsed):
+                self.last_probe[mode] = self.step
+                return mode
+        return self.current
 
     def record(self, mode, tokens, seconds, drafted, kept):
         self.history[mode].append((tokens, seconds, drafted, kept))
-        if self.step < self.exploration_steps:
-            return
-        best = self._best()
-        if mode not in (best, self.current) and self.step > self.exploration_steps:   # lost again
-            self.retry_after[mode] = min(2 * self.retry_after[mode], self.max_retry)
-        if best != self.current:
-            self.retry_after[best] = self.base_retry
-            self.current = best
-        for other in self.modes:
-            if other != best and self.next_probe[other] <= self.step:
-                self.next_probe[other] = self.step + self.retry_after[other]
+        self.elapsed += seconds
+        if mode != self.current:
+            rate = self._rate(self.current)
+            self.probe_loss[mode] = max(0.0, seconds - tokens / rate) if rate else 0.0
+            self.lost += self.probe_loss[mode]
+        if all(self.history.values()):   # every mode measured
+            self.current = self._best()
 
     def _best(self) -> str:
         best, best_rate = "off", self._rate("off") * self.margin

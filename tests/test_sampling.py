@@ -90,3 +90,8 @@ def test_ngram_drafter_proposes_what_followed_the_latest_earlier_occurrence():
     drafter.extend([2, 5, 6, 7])
     assert drafter.propose(2) == [2, 5]           # now the latest "5 6 7" was followed by 2
     assert NGramDrafter([1, 2, 3]).propose(4) == []
+
+
+def test_ngram_drafter_continues_a_loop_past_the_end():
+    assert NGramDrafter([4, 7, 8, 7, 8]).propose(5) == [7, 8, 7, 8, 7]   # "7 8" ended at 3
+    assert NGramDrafter([9, 9, 9]).propose(3) == [9, 9, 9]
