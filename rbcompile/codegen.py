@@ -13,7 +13,7 @@ width levels are chosen in Python, so a given `widths` list is baked in; fused k
 """
 from __future__ import annotations
 
-from .ir import check_ir
+from .ir import check_ir, references
 
 _INDENT = " " * 4
 
@@ -65,17 +65,6 @@ def _with_deletes(statements: list[tuple[str, list[str]]], indent: str) -> list[
     return lines
 
 
-def _reads(value, params) -> list[str]:
-    if isinstance(value, dict):
-        (key, inner), = value.items()
-        if key == "node":
-            return [] if inner in params else [inner]
-        return _reads(inner, params) if key == "tuple" else []
-    if isinstance(value, list):
-        return [name for v in value for name in _reads(v, params)]
-    return []
-
-
 def _method_name(region: dict, variant: dict | None = None) -> str:
     """The name of a region's method (of its narrowed twin for a width `variant`)."""
     safe = "".join(c if c.isalnum() else "_" for c in region["name"]).strip("_")
@@ -103,7 +92,8 @@ def _region_method(region: dict, nodes: list, params, variant: dict | None = Non
     lines = [header, f"{_INDENT}def {name}(self, {', '.join(inputs)}):"]
     statements = []
     for name, op, args, kwargs, _ in nodes:
-        reads = _reads(args, params) + _reads(list(kwargs.values()), params)
+        reads = [name for name in references([args, list(kwargs.values())])
+                 if name not in params]
         statements.append((f"{name} = {_call(op, args, kwargs, params)}", reads))
     statements.append((f"return {_tuple(outputs)}", outputs))
     lines += _with_deletes(statements, _INDENT * 2)

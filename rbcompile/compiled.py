@@ -13,7 +13,7 @@ from .atomic import write_folder
 from .codegen import generate_source
 from .cuda_graphs import GraphCache, plan_key
 from .decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder, DecoderShape
-from .module import attach_weights, compile_regions, instantiate
+from .module import attach_weights, compile_regions, instantiate, weights
 from .errors import UserError, first_line
 from .ir import check_ir
 from .models import copy_tokenizer_files
@@ -85,8 +85,12 @@ class CompiledModel:
         device = parse_device(device)
         check_same_dtype(self.dtype, parse_dtype(dtype))
         if device is not None and device != self.device:
-            attach_weights(self.module, {key: self.module.get_buffer(name).to(device)
-                                         for name, key in self.module.PARAMETERS.items()})
+            modules = [self.module] + ([self.decoder.module] if self.decoder else [])
+            moved = {}  # each tensor moved once: the modules share weights
+            for module in modules:
+                moved.update({key: tensor.to(device) for key, tensor in weights(module).items()
+                              if key not in moved})
+                attach_weights(module, moved)
             self.module.region_cache.clear()
             if self.cuda_graphs is not None:
                 self.cuda_graphs.clear()
@@ -231,8 +235,8 @@ class CompiledModel:
                 (tmp / DECODER_GRAPH).write_text(json.dumps(self.decoder.ir, indent=1))
                 (tmp / DECODER_SOURCE).write_text(self.decoder.source)
                 modules.append(self.decoder.module)
-            tensors = {key: getattr(module, name).detach().contiguous().cpu()
-                       for module in modules for name, key in module.PARAMETERS.items()}
+            tensors = {key: tensor.detach().contiguous().cpu()
+                       for module in modules for key, tensor in weights(module).items()}
             save_file(tensors, str(tmp / WEIGHTS))
             (tmp / CONFIG).write_text(json.dumps(self.hf_config, indent=1, default=str))
             tokenizer_files = (copy_tokenizer_files(self.tokenizer_dir, tmp)

@@ -90,6 +90,28 @@ def encode(value, params: dict[str, str]):
     raise CompileError(f"unsupported constant in graph: {value!r} ({type(value).__name__})")
 
 
+def references(value) -> list[str]:
+    """Names of the nodes an encoded argument refers to, in order."""
+    if isinstance(value, dict):
+        (key, inner), = value.items()
+        return [inner] if key == "node" else references(inner) if key == "tuple" else []
+    if isinstance(value, list):
+        return [name for item in value for name in references(item)]
+    return []
+
+
+def rename_references(value, renamed: dict[str, str]):
+    """An encoded argument with the node references in `renamed` replaced."""
+    if isinstance(value, dict):
+        (key, inner), = value.items()
+        if key == "node":
+            return {"node": renamed.get(inner, inner)}
+        return {key: rename_references(inner, renamed)} if key == "tuple" else value
+    if isinstance(value, list):
+        return [rename_references(item, renamed) for item in value]
+    return value
+
+
 def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names) -> dict:
     """The graph after the passes, as data."""
     params = {n.name: n.target for n in gm.graph.nodes if n.op == "get_attr"}

@@ -20,6 +20,11 @@ def instantiate(source: str, tag: str, namespace: dict | None = None) -> torch.n
     return namespace["GeneratedModel"]()
 
 
+def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a generated module holds, by weight key (what `attach_weights` takes)."""
+    return {key: module.get_buffer(name) for name, key in module.PARAMETERS.items()}
+
+
 def attach_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Register each tensor named in module.PARAMETERS as a buffer; strict on missing keys."""
     missing = [key for key in module.PARAMETERS.values() if key not in tensors]

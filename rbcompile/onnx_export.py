@@ -81,14 +81,13 @@ def _cond_module(compiled, widths):
     import torch
 
     from .codegen import generate_source
-    from .module import attach_weights, instantiate
+    from .module import attach_weights, instantiate, weights
 
     namespace = types.ModuleType(f"rbcompile_onnx_{next(_module_ids)}")
     sys.modules[namespace.__name__] = namespace
     try:
         inner = instantiate(generate_source(compiled.ir, guards="cond"), "cond", vars(namespace))
-        attach_weights(inner, {key: compiled.module.get_buffer(name)
-                               for name, key in compiled.module.PARAMETERS.items()})
+        attach_weights(inner, weights(compiled.module))
 
         class Gated(torch.nn.Module):
             def __init__(self):

@@ -17,7 +17,7 @@ import torch
 
 from .architectures import CHANNELS, KV_HEADS, QUERY_HEADS
 from .errors import CompileError
-from .ir import build_ir
+from .ir import build_ir, references, rename_references
 from .passes import PassContext, run_pipeline
 from .trace import trace
 
@@ -124,30 +124,11 @@ def build_variant(eager, ir: dict, weights: dict[str, torch.Tensor], ctx,
     nodes = []
     for name, op, args, kwargs, region_id in vir["nodes"]:
         if region_id in region_map:
-            nodes.append([name, op, _rename(args, renamed),
-                          {k: _rename(v, renamed) for k, v in kwargs.items()},
+            nodes.append([name, op, rename_references(args, renamed),
+                          {k: rename_references(v, renamed) for k, v in kwargs.items()},
                           region_map[region_id]])
-    narrowed = {str(n[4]) for n in nodes if _reads_any(n[2], parameters)}
+    narrowed = {str(n[4]) for n in nodes if set(references(n[2])) & set(parameters)}
     regions = {k: v for k, v in regions.items() if k in narrowed}  # e.g. not GPT-2 attention
     nodes = [n for n in nodes if str(n[4]) in narrowed]
     return {"ratio": ratio, "label": label, "parameters": parameters, "regions": regions,
             "nodes": nodes}
-
-
-def _reads_any(value, names) -> bool:
-    if isinstance(value, dict):
-        (key, inner), = value.items()
-        return inner in names if key == "node" else key == "tuple" and _reads_any(inner, names)
-    return isinstance(value, list) and any(_reads_any(v, names) for v in value)
-
-
-def _rename(value, renamed: dict[str, str]):
-    """An encoded argument (see ir.encode) with parameter references renamed."""
-    if isinstance(value, dict):
-        (key, inner), = value.items()
-        if key == "node":
-            return {"node": renamed.get(inner, inner)}
-        return {key: _rename(inner, renamed)} if key == "tuple" else value
-    if isinstance(value, list):
-        return [_rename(v, renamed) for v in value]
-    return value
