@@ -126,7 +126,6 @@ class Drafts:
 
 class Drafter:
     """Proposes up to `limit` tokens following each row's pending token, or None."""
-    name = ""
 
     def propose(self, pending: torch.Tensor, limit: int) -> Drafts | None:
         raise NotImplementedError
@@ -141,7 +140,6 @@ class Drafter:
 class NGramProposer(Drafter):
     """Prompt lookup per row (`NGramDrafter`); drafts are cut to the shortest row's proposal,
     since a step cannot keep more drafts than its shortest row has."""
-    name = "ngram"
 
     def __init__(self, prompts: list[list[int]]):
         self.drafters = [NGramDrafter(prompt) for prompt in prompts]
@@ -165,7 +163,6 @@ class SelfDrafter(Drafter):
     """Self-speculation: the light path drafts one token at a time on the same cache (its
     approximate K/V are overwritten by the verifying full step), and stops when any row's top
     draft probability falls below `threshold` (adaptive draft length)."""
-    name = "self"
 
     def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator, threshold: float):
         self.runner, self.sampling, self.generator, self.threshold = runner, sampling, generator, threshold
@@ -438,14 +435,14 @@ def generate(step: Callable, input_ids, attention_mask=None, **options) -> Gener
 
 def _check_prompts(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt ids [B, P], left-pad count per row)."""
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long).cpu()
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.dim() != 2:
         raise UserError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     if input_ids.numel() == 0:
         raise UserError("the prompt is empty (0 tokens)")
-    mask = torch.ones_like(input_ids) if attention_mask is None else torch.as_tensor(attention_mask).long()
+    mask = torch.ones_like(input_ids) if attention_mask is None else torch.as_tensor(attention_mask).long().cpu()
     mask = mask[None] if mask.dim() == 1 else mask
     if mask.shape != input_ids.shape:
         raise UserError(f"attention_mask shape {tuple(mask.shape)} differs from input_ids' {tuple(input_ids.shape)}")
