@@ -1,7 +1,6 @@
 """`CompiledModel`: the generated module plus what it needs at run time; save and load."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 from pathlib import Path
@@ -12,7 +11,8 @@ from . import __version__
 from .atomic import write_folder
 from .codegen import generate_source
 from .cuda_graphs import GraphCache, plan_key
-from .decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder, DecoderShape
+from .decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder
+from .kv_cache import DecoderShape
 from .module import attach_weights, compile_regions, instantiate, weights
 from .errors import UserError, first_line
 from .ir import check_ir
@@ -24,6 +24,9 @@ from .plans import check_budget, plan_for_budget, skipped_share, width_shares
 
 from . import manifest as manifests
 from .manifest import CONFIG, GRAPH, MANIFEST, SCHEMA_VERSION, SOURCE, WEIGHTS
+
+
+SELF_DRAFT_BUDGET = 0.5  # the light plan `speculate="self"` drafts with
 
 
 class CompiledOutput(dict):
@@ -197,6 +200,44 @@ class CompiledModel:
                               widths=widths, skipped_flops=self.skipped_share(gates, widths),
                               complexity=scores)
 
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop=None,
+                 budget: float | None = None, speculate: str = "off", stream: bool = False):
+        """Generate with the artifact's KV-cached decoder (rbcompile/generation.py): a
+        `GenerationResult` (new tokens per row, full sequences, texts cut at a stop string,
+        stats: tokens/s, drafted, accepted), or with `stream=True` an iterator of (row, token)
+        as tokens are accepted (its `.result()` afterwards).
+
+        `budget` runs the MLPs of that budget's plan (attention always runs: it writes the
+        cache). `speculate`: "off", "ngram" (prompt lookup), "self" (drafts from the light path
+        of budget SELF_DRAFT_BUDGET, verified by the full path), "auto" (picks per request
+        from live acceptance, off when drafting does not pay). Greedy output is the full
+        path's token for token whatever the drafter; sampling keeps its distribution."""
+        from functools import partial
+
+        from .generation import generate, stream as stream_tokens
+        from .sampling import SamplingConfig
+
+        if self.decoder is None:
+            raise UserError("generate needs a decoder artifact with a KV-cached decoder "
+                            "(recompile it with this rbcompile)")
+        budget = None if budget is None else check_budget(budget)
+        sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
+        gates = self.decoder.gates_from(self.regions, self.gates_for_budget(budget)) \
+            if budget else None
+        draft = None
+        if speculate in ("self", "auto"):
+            draft = partial(self.decoder, gates=self.decoder.gates_from(
+                self.regions, self.gates_for_budget(SELF_DRAFT_BUDGET)))
+        eos = self.hf_config.get("eos_token_id")
+        run = stream_tokens if stream else generate
+        return run(partial(self.decoder, gates=gates), torch.as_tensor(input_ids),
+                   attention_mask, shape=self.decoder.shape, max_new_tokens=max_new_tokens,
+                   sampling=sampling, eos_token_ids=() if eos is None else eos, stop=stop,
+                   decode=self.tokenizer.decode if stop else None, speculate=speculate,
+                   draft_step=draft)
+
     def compile_regions(self) -> "CompiledModel":
         """Compile the generated regions with inductor (first calls per shape are slow)."""
         compile_regions(self.module)
@@ -256,7 +297,7 @@ class CompiledModel:
                    if self.offramps is not None else {}),
                 **({"decoder": {"graph": DECODER_GRAPH, "source": DECODER_SOURCE,
                                 "gates": self.decoder.num_gates,
-                                "shape": dataclasses.asdict(self.decoder.shape)}}
+                                "shape": self.decoder.sizes.sizes()}}
                    if self.decoder is not None else {}),
                 "regions": [{**{k: r[k] for k in r if k not in ("inputs", "outputs", "skip")},
                              **({"width_shares": {str(w): v for w, v in

@@ -10,7 +10,8 @@ import torch
 from . import __version__
 from .architectures import DECODER, ENCODER, lookup
 from .codegen import generate_source
-from .decoder import Decoder, DecoderShape
+from .decoder import Decoder
+from .kv_cache import DecoderShape
 from .errors import UserError
 from .ir import build_ir
 from .models import checkpoint_sha256, load_hf_model, load_tokenizer, resolve_checkpoint
@@ -169,9 +170,8 @@ def build_decoder(model, architecture, dims, weights: dict, title: str,
     own = graph_weights(gm, ir)
     source, module = build_module(ir, {key: weights.get(key, own[key]) for key in own},
                                   f"{title} decoder")
-    shape = DecoderShape(dims.layers, dims.kv_heads, dims.head_dim, dims.vocab,
-                         dims.max_positions)
-    return Decoder(module, ir, source, shape)
+    sizes = DecoderShape(dims.layers, dims.kv_heads, dims.head_dim, dims.max_positions)
+    return Decoder(module, ir, source, sizes)
 
 
 def _load(model_or_path, calib, device, dtype):

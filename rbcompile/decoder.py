@@ -8,21 +8,13 @@ branches are its prunable regions, gated by unit name from the main graph's plan
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
+from .kv_cache import DecoderShape
+
 DECODER_GRAPH, DECODER_SOURCE = "decoder_graph.json", "decoder.py"
-
-
-@dataclass(frozen=True)
-class DecoderShape:
-    """What a generation loop needs to know about a decoder."""
-    layers: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    max_positions: int
 
 
 class Decoder:
@@ -30,8 +22,8 @@ class Decoder:
     -> logits [B, T, vocab], writing the T new keys / values into `cache` (a list of tensors
     in trace.cache_names order) at slots `cache_position`."""
 
-    def __init__(self, module: torch.nn.Module, ir: dict, source: str, shape: DecoderShape):
-        self.module, self.ir, self.source, self.shape = module, ir, source, shape
+    def __init__(self, module: torch.nn.Module, ir: dict, source: str, sizes: DecoderShape):
+        self.module, self.ir, self.source, self.sizes = module, ir, source, sizes
         self.num_gates = module.NUM_GATES
         self.unit_gates = {region["name"]: region["gate"] for region in ir["regions"]
                            if region["kind"] == "prunable"}
@@ -43,6 +35,11 @@ class Decoder:
     @property
     def dtype(self) -> torch.dtype:
         return next(iter(self.module.buffers())).dtype
+
+    @property
+    def shape(self) -> DecoderShape:
+        """The cache shape, in the dtype and on the device the module is now."""
+        return dataclasses.replace(self.sizes, dtype=self.dtype, device=self.device)
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache,
                  gates=None) -> torch.Tensor:

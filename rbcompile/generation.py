@@ -24,31 +24,10 @@ import torch
 
 from .drafters import NGramDrafter
 from .errors import UserError
-from .kv_cache import StaticKVCache
+from .kv_cache import DecoderShape, StaticKVCache
 from .sampling import SamplingConfig, verify
 
 SPECULATE_MODES = ("off", "ngram", "self", "auto")
-
-
-@dataclass(frozen=True)
-class DecoderShape:
-    """The decoder dimensions the engine needs: the KV cache's shape and the position limit."""
-    layers: int
-    kv_heads: int
-    head_dim: int
-    max_positions: int
-    dtype: torch.dtype = torch.float32
-    device: str | torch.device = "cpu"
-
-    @classmethod
-    def from_config(cls, config, dtype=torch.float32, device="cpu") -> "DecoderShape":
-        """From a transformers config (llama-style and gpt2-style names both work)."""
-        text = config.get_text_config()
-        heads = text.num_attention_heads
-        return cls(layers=text.num_hidden_layers,
-                   kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                   max_positions=text.max_position_embeddings, dtype=dtype, device=device)
 
 
 @dataclass

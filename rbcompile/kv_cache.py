@@ -8,7 +8,34 @@ Slots at or past `length` hold garbage that causality masks, so dropping uncommi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a generation loop needs to know about a decoder: the KV cache's shape, its dtype
+    and device, and the position limit."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu"
+
+    @classmethod
+    def from_config(cls, config, dtype=torch.float32, device="cpu") -> "DecoderShape":
+        """From a transformers config, through the architecture registry."""
+        from .architectures import lookup
+
+        dims = lookup(config).dimensions(config)
+        return cls(dims.layers, dims.kv_heads, dims.head_dim, dims.max_positions, dtype, device)
+
+    def sizes(self) -> dict:
+        """The integer fields (what a manifest stores)."""
+        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "max_positions": self.max_positions}
 
 
 class StaticKVCache:

@@ -127,9 +127,10 @@ def validate(manifest: dict, where) -> None:
             isinstance(decoder, dict) and isinstance(decoder.get("gates"), int)
             and isinstance(decoder.get("shape"), dict)
             and all(isinstance(decoder["shape"].get(k), int) and decoder["shape"][k] > 0
-                    for k in ("layers", "kv_heads", "head_dim", "vocab", "max_positions"))):
+                    for k in ("layers", "kv_heads", "head_dim", "max_positions"))
+            and len(decoder["shape"]) == 4):
         _fail(where, "decoder needs integer gates and a shape (layers, kv_heads, head_dim, "
-                     "vocab, max_positions)")
+                     "max_positions)")
     plans = manifest.get("plans")
     if plans is None:
         return

@@ -8,6 +8,7 @@ import torch
 
 from .architectures import DECODER, Architecture
 from .errors import CompileError, first_line
+from .kv_cache import StaticKVCache
 
 logger = logging.getLogger("rbcompile.trace")
 
@@ -143,12 +144,6 @@ def _writer(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
     return update
 
 
-def empty_cache(dims, batch: int, max_len: int, dtype, device) -> list[torch.Tensor]:
-    """Zeroed key and value tensors of every layer, in `cache_names` order."""
-    shape = (batch, dims.kv_heads, max_len, dims.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * dims.layers)]
-
-
 def cached_example_inputs(dims, max_len: int, batch: int, seq: int, dtype, device) -> dict:
     """Inputs of a prefill of `seq` tokens into an empty cache (for tracing and FLOP counts)."""
     generator = torch.Generator().manual_seed(0)
@@ -157,8 +152,9 @@ def cached_example_inputs(dims, max_len: int, batch: int, seq: int, dtype, devic
               "position_ids": torch.arange(seq).expand(batch, seq).contiguous(),
               "cache_position": torch.arange(seq)}
     inputs = {name: value.to(device) for name, value in inputs.items()}
-    cache = empty_cache(dims, batch, max_len, dtype, device)
-    return {**inputs, **dict(zip(cache_names(dims.layers), cache))}
+    cache = StaticKVCache(dims.layers, dims.kv_heads, dims.head_dim, max_len,
+                          pads=torch.zeros(batch), dtype=dtype, device=device)
+    return {**inputs, **dict(zip(cache_names(dims.layers), cache.tensors))}
 
 
 def _unwrap(gm: torch.fx.GraphModule, names: tuple[str, ...]) -> torch.fx.GraphModule:

@@ -11,7 +11,8 @@ from transformers import StaticCache
 
 from rbcompile.drafters import NGramDrafter
 from rbcompile.errors import UserError
-from rbcompile.generation import DecoderShape, generate, stream
+from rbcompile.generation import generate, stream
+from rbcompile.kv_cache import DecoderShape
 from rbcompile.sampling import SamplingConfig
 
 EOS = 2
