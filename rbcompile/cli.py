@@ -119,6 +119,15 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="inputs scoring below it take the light path, the rest the full path")
     p.add_argument("--max-new-tokens", type=int, default=20, help="decoders: tokens to generate "
                    "(clipped, with a warning line, to the positions the prompt leaves)")
+    p.add_argument("--speculate", choices=("off", "ngram", "self", "auto"), default="off",
+                   help="decoders: lossless speculative decoding; ngram: drafts from the "
+                   "prompt's own n-grams; self: from the light path; auto: per request")
+    p.add_argument("--temperature", type=float, help="decoders: sample at this temperature "
+                   "(default: greedy)")
+    p.add_argument("--top-k", type=int, help="decoders: sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="decoders: sample from the smallest set of "
+                   "tokens holding this probability")
+    p.add_argument("--seed", type=int, help="decoders: seed of the sampler")
     _placement_options(p, "run on this device (default cpu)",
                        "must be the dtype the artifact was compiled in (a check)")
     p.add_argument("--engine", choices=("torch", "onnxruntime"), default="torch",
@@ -292,20 +301,14 @@ def _run_texts(model, engine, args) -> None:
     from .errors import UserError
 
     tokenizer = model.tokenizer
+    if model.family == "decoder" and engine is model:
+        _generate_texts(model, args)
+        return
     if model.family == "decoder":
-        for text in args.text:
+        for text in args.text:  # the ONNX export has no KV cache: the prefix runs per token
             ids = tokenizer(text, return_tensors="pt")["input_ids"]
             prompt_len = ids.shape[1]
-            room = model.max_positions - prompt_len
-            if room < 1:
-                raise UserError(f"the prompt has {prompt_len} tokens; the model has "
-                                f"{model.max_positions} positions, so at most "
-                                f"{model.max_positions - 1} prompt tokens can be continued")
-            if args.max_new_tokens > room:
-                print(f"rbcompile: warning: --max-new-tokens {args.max_new_tokens} clipped to "
-                      f"{room} (the model's {model.max_positions} positions minus the "
-                      f"{prompt_len}-token prompt)", file=sys.stderr)
-            for _ in range(min(args.max_new_tokens, room)):
+            for _ in range(_new_tokens(model, prompt_len, args)):
                 out = engine(ids, budget=args.budget)
                 next_id = out["logits"][0, -1].argmax().cpu()
                 ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
@@ -334,6 +337,43 @@ def _run_texts(model, engine, args) -> None:
             for j in range(i + 1, len(args.text)):
                 print(f"  cosine(text {i + 1}, text {j + 1}) = {sims[i, j]:.4f}")
     print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs")
+
+
+def _new_tokens(model, prompt_len: int, args) -> int:
+    """--max-new-tokens clipped, with a warning line, to the positions the prompt leaves; a
+    prompt that leaves none is refused."""
+    from .errors import UserError
+
+    room = model.max_positions - prompt_len
+    if room < 1:
+        raise UserError(f"the prompt has {prompt_len} tokens; the model has "
+                        f"{model.max_positions} positions, so at most "
+                        f"{model.max_positions - 1} prompt tokens can be continued")
+    if args.max_new_tokens > room:
+        print(f"rbcompile: warning: --max-new-tokens {args.max_new_tokens} clipped to "
+              f"{room} (the model's {model.max_positions} positions minus the "
+              f"{prompt_len}-token prompt)", file=sys.stderr)
+    return min(args.max_new_tokens, room)
+
+
+def _generate_texts(model, args) -> None:
+    """Decoders on the torch engine: KV-cached generation, one text at a time."""
+    sampling = [args.temperature, args.top_k, args.top_p]
+    for text in args.text:
+        ids = model.tokenizer(text, return_tensors="pt")["input_ids"]
+        result = model.generate(
+            ids, max_new_tokens=_new_tokens(model, ids.shape[1], args), budget=args.budget,
+            speculate=args.speculate, do_sample=any(v is not None for v in sampling),
+            temperature=1.0 if args.temperature is None else args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        stats = result.stats
+        completion = model.tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+        print(f"{text!r} -> {completion!r}")
+        drafted = (f", {stats.accepted}/{stats.drafted} drafts accepted "
+                   f"({stats.mean_accepted_length:.2f} tokens per step)" if stats.drafted else "")
+        print(f"  {stats.new_tokens} tokens in {stats.seconds:.2f} s = "
+              f"{stats.tokens_per_second:.1f} tokens/s (KV cache, speculate {args.speculate}"
+              f"{drafted}){'' if not args.budget else f', budget {args.budget:g} (MLPs)'}")
 
 
 CURVE_DEFAULTS = {"decoder": {"samples": 4, "seq": 512, "batch": 1},

@@ -60,7 +60,32 @@ def test_run_generates_text(llama_artifact, capsys):
     assert main(["run", str(llama_artifact), "--text", "the time of his", "--max-new-tokens",
                  "4", "--budget", "0.3"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("'the time of his' -> ") and "path light" in out
+    assert out.startswith("'the time of his' -> ")
+    assert "4 tokens in" in out and "tokens/s (KV cache, speculate off)" in out
+    assert "budget 0.3 (MLPs)" in out
+
+
+def test_run_speculates_and_samples(llama_artifact, capsys):
+    argv = ["run", str(llama_artifact), "--text", "the time of the time of the", "--max-new-tokens", "6"]
+    assert main(argv + ["--speculate", "ngram"]) == 0
+    greedy = capsys.readouterr().out
+    assert "speculate ngram" in greedy
+    assert main(argv) == 0  # lossless: the same text without speculation
+    assert capsys.readouterr().out.splitlines()[0] == greedy.splitlines()[0]
+    sampled = [main(argv + ["--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]) == 0
+               and capsys.readouterr().out.splitlines()[0] for _ in range(2)]
+    assert sampled[0] and sampled[0] == sampled[1]  # seeded: reproducible
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--temperature", "0"], "temperature must be > 0 when sampling"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-k", "0"], "top_k must be >= 1"),
+    (["--speculate", "always"], "argument --speculate: invalid choice"),
+])
+def test_run_refuses_bad_generation_options(llama_artifact, capsys, flags, message):
+    assert main(["run", str(llama_artifact), "--text", "the time", *flags]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_run_encoder_prints_embedding(tiny_checkpoints, tmp_path, capsys):
