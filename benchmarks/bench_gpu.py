@@ -10,6 +10,8 @@ at a budget is reported as agreement with the full path, not as task quality):
 - `smol-decode`: the same model, `generate` of 128 greedy tokens after a 32-token prompt with a
   static KV cache (tokens/s); `inductor-ro` is transformers' own compile of the forward
   (mode reduce-overhead, its default on CUDA with a static cache), the others disable it;
+  `rbc-generate` is the artifact's own KV-cached decoder (CompiledModel.generate, a CUDA graph
+  per decode step and plan; budgets skip MLPs);
 - `llama1b`: a Llama-3.2-1B-sized model in bf16, prefill 4 x 1024 (logits).
 
 Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`), `inductor-ro` (mode reduce-overhead: inductor + CUDA graphs),
@@ -229,6 +231,21 @@ def decode_case(case: Case, model, prompt, new, args):
     backend.reset()
     case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile",
                                                         options=options)), (None, *BUDGETS))
+    def artifact_generate():
+        import rbcompile
+
+        model.forward = forward  # trace the model itself, not a compiled forward
+        compiled = rbcompile.compile(model)
+        compiled.hf_config["eos_token_id"] = None  # all `new` tokens, like the others
+        if case.device.type == "cuda":
+            compiled.use_cuda_graphs()
+
+        def run(budget):
+            result = compiled.generate(ids, max_new_tokens=new, budget=budget)
+            return torch.tensor(result.tokens, device=case.device)
+        return run, reference
+
+    case.contender("rbc-generate", artifact_generate, (None, *BUDGETS))
     handled = [g.handled_by for g in backend.compiled_graphs()]
     for row in case.rows:
         if row["contender"] == "rbc-backend" and "check" in row:

@@ -7,7 +7,7 @@
 #    prefill and decode, 1B-sized Llama bf16 prefill; eager, inductor, rbcompile; parity).
 # STEPS picks steps (default "test_kernels bench_kernels bench_gpu"; "tune_kernels" sweeps the
 # kernels' launch configs with benchmarks/tune_kernels.py); DEADLINE_S bounds bench_gpu, CASES
-# picks its cases.
+# picks its cases, SKIP contenders not to run.
 # Each step runs under a timeout, the end-to-end one also under its own deadline. Writes at most
 # 8 files into OUT_DIR (env.txt, the logs, bench_kernels.csv, bench_gpu.json, summary.txt) and
 # prints a summary. Exits non-zero with one line when there is no CUDA device or a step fails.
@@ -62,7 +62,7 @@ for name in ${STEPS:-test_kernels bench_kernels bench_gpu}; do
         test_kernels) step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -x ;;
         bench_kernels) step bench_kernels 120 "$PY" benchmarks/bench_kernels.py --csv "$OUT/bench_kernels.csv" ;;
         bench_gpu) step bench_gpu 330 "$PY" benchmarks/bench_gpu.py --out "$OUT" --deadline-s "${DEADLINE_S:-240}" \
-                          --cases "${CASES:-bert,smol-decode,llama1b,smol-prefill}" ;;
+                          --cases "${CASES:-bert,smol-decode,llama1b,smol-prefill}" --skip "${SKIP:-}" ;;
         *) echo "gpu_check: unknown step $name" >&2; false ;;
     esac || rc=1
 done

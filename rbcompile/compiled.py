@@ -109,12 +109,14 @@ class CompiledModel:
         `seq_multiple` tokens (mask 0 on the right), outputs cut back. The shape-keyed region
         cache is off while graphs are on (the graph computes those values itself). `capture`
         replaces the CUDA capture (tests: a fake one on CPU; see rbcompile/cuda_graphs.py)."""
+        if self.device.type != "cuda" and capture is None and enabled:
+            raise UserError(f"CUDA graphs need the model on a CUDA device (it is on {self.device})")
+        if self.decoder is not None:  # its decode steps: one graph per plan and shape
+            self.decoder.use_cuda_graphs(enabled, max_graphs=max_graphs, capture=capture)
         if not enabled:
             self.cuda_graphs = None
             self.module.region_cache.enabled = True
             return self
-        if self.device.type != "cuda" and capture is None:
-            raise UserError(f"CUDA graphs need the model on a CUDA device (it is on {self.device})")
 
         self.module.region_cache.enabled = False
         self._buckets = (tuple(sorted(batch_buckets)), seq_multiple)

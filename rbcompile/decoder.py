@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from .cuda_graphs import GraphCache, plan_key
 from .kv_cache import DecoderShape
 
 DECODER_GRAPH, DECODER_SOURCE = "decoder_graph.json", "decoder.py"
@@ -27,6 +28,22 @@ class Decoder:
         self.num_gates = module.NUM_GATES
         self.unit_gates = {region["name"]: region["gate"] for region in ir["regions"]
                            if region["kind"] == "prunable"}
+        self.graphs: GraphCache | None = None
+
+    def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
+                        capture=None) -> "Decoder":
+        """Run steps through CUDA graphs, one per (gates, input shapes, cache tensors): a
+        decode step is then one replay. The cache tensors (the 4-D inputs) are read and written
+        where they are, so a generation's steps share its graph; a shape seen once (the
+        prefill) runs eagerly. `capture` replaces the CUDA capture (tests: a fake one)."""
+        self.graphs = None
+        if enabled:
+            self.module.region_cache.enabled = False  # the graph computes those values itself
+            self.graphs = GraphCache(self.module, max_graphs=max_graphs, capture_after=2,
+                                     in_place=lambda tensor: tensor.dim() == 4, capture=capture)
+        else:
+            self.module.region_cache.enabled = True
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -44,9 +61,11 @@ class Decoder:
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache,
                  gates=None) -> torch.Tensor:
         gates = [True] * self.num_gates if gates is None else gates
+        inputs = (input_ids, attention_mask, position_ids, cache_position, *cache, gates)
         with torch.no_grad():
-            return self.module(input_ids, attention_mask, position_ids, cache_position, *cache,
-                               gates)[0]
+            if self.graphs is not None:
+                return self.graphs(plan_key(gates, None), *inputs)[0]
+            return self.module(*inputs)[0]
 
     def gates_from(self, regions: list[dict], gates) -> list[bool]:
         """The decoder's gates for a plan of the main graph (`regions`, `gates`): each MLP runs

@@ -81,3 +81,21 @@ def test_encoders_have_no_decoder(compiled_tiny):
     assert compiled.decoder is None
     with pytest.raises(UserError, match="generate needs a decoder artifact"):
         compiled.generate(PROMPTS, max_new_tokens=2)
+
+
+def test_decode_steps_replay_one_graph_per_plan(compiled_tiny):
+    """With (fake, CPU) CUDA graphs the decoder captures a decode step once per plan and
+    replays it; the prefill, seen once, runs eagerly; the tokens do not change."""
+    from test_cuda_graphs import FakeCapture
+
+    compiled = compiled_tiny["llama"][0]
+    expected = compiled.generate(PROMPTS, max_new_tokens=8).tokens
+    compiled.use_cuda_graphs(capture=FakeCapture())
+    try:
+        assert compiled.generate(PROMPTS, max_new_tokens=8).tokens == expected
+        stats = compiled.decoder.graphs.stats
+        assert stats.captures == 1 and stats.replays == 6  # steps 2..8 of T = 1: one capture
+        assert stats.eager_calls == 2                      # the prefill and the first step
+    finally:
+        compiled.use_cuda_graphs(False)
+    assert compiled.decoder.graphs is None
