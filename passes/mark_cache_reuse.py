@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch.fx import GraphModule, Node
 
 from ..architectures import DECODER, all_kv_projections
-from .base import (DEPS, KIND, PassContext, PassReport, compute_nodes, graph_pass, is_tensor,
-                   writes_input)
+from .base import (DEPS, KIND, PassContext, PassReport, compute_nodes, graph_pass, is_scalar,
+                   is_tensor, writes_input)
 
 
 def _cacheable(node: Node) -> bool:
@@ -31,9 +31,27 @@ def _kv_parameters(ctx: PassContext) -> list[dict]:
     return out
 
 
+def _closed(candidates: list[Node], ctx: PassContext) -> list[Node]:
+    """The candidates whose tensor inputs are all keys (the mask input, sizes), parameters or
+    other kept candidates: a cached value must be recomputable from its key alone. (A constant
+    that a layer's module path claims, e.g. a lifted `torch.tensor(...)`, is not a candidate.)"""
+    mask = ctx.architecture.mask_input if ctx.architecture else "attention_mask"
+    kept = set(candidates)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(kept):
+            if any(not (inp in kept or inp.op == "get_attr" or is_scalar(inp)
+                        or (inp.op == "placeholder" and inp.target == mask))
+                   for inp in node.all_input_nodes):
+                kept.discard(node)
+                changed = True
+    return [n for n in candidates if n in kept]
+
+
 @graph_pass(requires=("meta:rb_kind", "meta:rb_deps"), ensures=("ctx:cache_candidates",))
 def mark_cache_reuse(gm: GraphModule, ctx: PassContext) -> PassReport:
-    marked = [n for n in compute_nodes(gm) if _cacheable(n)]
+    marked = _closed([n for n in compute_nodes(gm) if _cacheable(n)], ctx)
     for node in marked:
         node.meta[KIND] = "cache"
     mask_keyed = sum(1 for n in marked if "mask" in n.meta[DEPS])
