@@ -205,7 +205,8 @@ class CompiledModel:
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop=None,
-                 budget: float | None = None, speculate: str = "off", stream: bool = False):
+                 budget: float | None = None, speculate: str = "off",
+                 draft_budget: float | None = None, stream: bool = False):
         """Generate with the artifact's KV-cached decoder (rbcompile/generation.py): a
         `GenerationResult` (new tokens per row, full sequences, texts cut at a stop string,
         stats: tokens/s, drafted, accepted), or with `stream=True` an iterator of (row, token)
@@ -213,9 +214,11 @@ class CompiledModel:
 
         `budget` runs the MLPs of that budget's plan (attention always runs: it writes the
         cache). `speculate`: "off", "ngram" (prompt lookup), "self" (drafts from the light path
-        of budget SELF_DRAFT_BUDGET, verified by the full path), "auto" (picks per request
-        from live acceptance, off when drafting does not pay). Greedy output is the full
-        path's token for token whatever the drafter; sampling keeps its distribution."""
+        of `draft_budget`, verified by the full path), "auto" (picks per request from live
+        acceptance, off when drafting does not pay). `draft_budget` defaults to the plan
+        calibration chose (`decoder.draft`; "auto" leaves self-drafting out when calibration
+        found that no plan pays), else SELF_DRAFT_BUDGET. Greedy output is the full path's
+        token for token whatever the drafter; sampling keeps its distribution."""
         from functools import partial
 
         from .generation import generate, stream as stream_tokens
@@ -229,9 +232,14 @@ class CompiledModel:
         gates = self.decoder.gates_from(self.regions, self.gates_for_budget(budget)) \
             if budget else None
         draft = None
+        if draft_budget is None and self.decoder.draft is not None:
+            draft_budget = self.decoder.draft["budget"]
+            if draft_budget is None and speculate == "auto":
+                speculate = "ngram"  # calibration measured that no light plan pays
         if speculate in ("self", "auto"):
+            chosen = SELF_DRAFT_BUDGET if draft_budget is None else check_budget(draft_budget)
             draft = partial(self.decoder, gates=self.decoder.gates_from(
-                self.regions, self.gates_for_budget(SELF_DRAFT_BUDGET)))
+                self.regions, self.gates_for_budget(chosen)))
         eos = self.hf_config.get("eos_token_id")
         run = stream_tokens if stream else generate
         return run(partial(self.decoder, gates=gates), torch.as_tensor(input_ids),
@@ -299,7 +307,8 @@ class CompiledModel:
                    if self.offramps is not None else {}),
                 **({"decoder": {"graph": DECODER_GRAPH, "source": DECODER_SOURCE,
                                 "gates": self.decoder.num_gates,
-                                "shape": self.decoder.sizes.sizes()}}
+                                "shape": self.decoder.sizes.sizes(),
+                                **({"draft": self.decoder.draft} if self.decoder.draft else {})}}
                    if self.decoder is not None else {}),
                 "regions": [{**{k: r[k] for k in r if k not in ("inputs", "outputs", "skip")},
                              **({"width_shares": {str(w): v for w, v in
@@ -361,7 +370,8 @@ def load(path, device=None, dtype=None) -> CompiledModel:
         decoder_module = instantiate(decoder_source, f"{path} decoder")
         attach_weights(decoder_module, tensors)
         decoder = Decoder(decoder_module, decoder_ir, decoder_source,
-                          DecoderShape(**manifest["decoder"]["shape"]))
+                          DecoderShape(**manifest["decoder"]["shape"]),
+                          manifest["decoder"].get("draft"))
     compiled = CompiledModel(module, ir, source, manifest, tokenizer_dir=tokenizer_dir,
                              hf_config=hf_config, decoder=decoder)
     if "offramps" in manifest:

@@ -174,6 +174,37 @@ def build_decoder(model, architecture, dims, weights: dict, title: str,
     return Decoder(module, ir, source, sizes)
 
 
+def choose_draft_plan(compiled, calibration: Calibration, prompts: int = 2,
+                      prompt_tokens: int = 64, new_tokens: int = 32) -> dict:
+    """The light plan `speculate="self"` drafts with, chosen by measured acceptance x cost:
+    for each calibrated budget, greedy self-speculative generation on calibration text gives
+    the tokens per full-path step (1 + accepted drafts) and the drafts per step; with a draft
+    costing its decoder FLOP share and a verification step costing 1, the modelled speedup over
+    plain decoding is tokens per step / (drafts per step x draft cost + 1). The best plan, if it
+    beats 1.0, else budget None (self-drafting does not pay on this model)."""
+    ids, mask = calibration.batches.calibration[0]
+    rows = [row[mask_row.bool()][:prompt_tokens] for row, mask_row in zip(ids, mask)][:prompts]
+    candidates = []
+    for plan in compiled.plans or []:
+        budget = plan["budget"]
+        gates = compiled.decoder.gates_from(compiled.regions, compiled.gates_for_budget(budget))
+        if budget == 0 or all(gates):
+            continue
+        drafted = accepted = steps = tokens = 0
+        for row in rows:
+            stats = compiled.generate(row[None], max_new_tokens=new_tokens, speculate="self",
+                                      draft_budget=budget).stats
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+            steps, tokens = steps + stats.decode_steps, tokens + stats.step_tokens
+        per_step = tokens / max(steps, 1)
+        speedup = per_step / (drafted / max(steps, 1) * compiled.decoder.cost(gates) + 1)
+        candidates.append({"budget": budget, "acceptance": accepted / max(drafted, 1),
+                           "tokens_per_step": per_step, "modelled_speedup": speedup})
+    best = max(candidates, key=lambda c: c["modelled_speedup"], default=None)
+    chosen = best["budget"] if best and best["modelled_speedup"] > 1.0 else None
+    return {"budget": chosen, "candidates": candidates}
+
+
 def _load(model_or_path, calib, device, dtype):
     """(eval-mode model on `device` in `dtype`, checkpoint folder or None, manifest source,
     tokenizer when calibrating)."""
@@ -266,6 +297,10 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
         "loss": calibration.loss, **importance, "width": ctx.width_importance,
         "permutations": ctx.permutations}}
     calibrated = CompiledModel(manifest=manifest, **artifact)
+    if calibrated.decoder is not None:
+        with step("choosing the self-speculation draft plan (acceptance x cost)"):
+            calibrated.decoder.draft = choose_draft_plan(calibrated, calibration)
+        say(f"  self-speculation drafts with budget {calibrated.decoder.draft['budget']}")
     if calibration.head is not None:
         batches = calibration.batches
         with step("training early-exit off-ramps"):

@@ -23,8 +23,10 @@ class Decoder:
     -> logits [B, T, vocab], writing the T new keys / values into `cache` (a list of tensors
     in trace.cache_names order) at slots `cache_position`."""
 
-    def __init__(self, module: torch.nn.Module, ir: dict, source: str, sizes: DecoderShape):
+    def __init__(self, module: torch.nn.Module, ir: dict, source: str, sizes: DecoderShape,
+                 draft: dict | None = None):
         self.module, self.ir, self.source, self.sizes = module, ir, source, sizes
+        self.draft = draft  # the light plan `speculate="self"` drafts with (calibration)
         self.num_gates = module.NUM_GATES
         self.unit_gates = {region["name"]: region["gate"] for region in ir["regions"]
                            if region["kind"] == "prunable"}
@@ -66,6 +68,11 @@ class Decoder:
             if self.graphs is not None:
                 return self.graphs(plan_key(gates, None), *inputs)[0]
             return self.module(*inputs)[0]
+
+    def cost(self, gates) -> float:
+        """FLOP share of a step that runs under `gates` (1.0: the full path)."""
+        return 1.0 - sum(region["flops_share"] for region in self.ir["regions"]
+                         if region["kind"] == "prunable" and not gates[region["gate"]])
 
     def gates_from(self, regions: list[dict], gates) -> list[bool]:
         """The decoder's gates for a plan of the main graph (`regions`, `gates`): each MLP runs

@@ -131,6 +131,10 @@ def validate(manifest: dict, where) -> None:
             and len(decoder["shape"]) == 4):
         _fail(where, "decoder needs integer gates and a shape (layers, kv_heads, head_dim, "
                      "max_positions)")
+    draft = (decoder or {}).get("draft")
+    if draft is not None and not (isinstance(draft, dict) and (
+            draft.get("budget") is None or (_number(draft["budget"]) and 0 < draft["budget"] <= 1))):
+        _fail(where, "decoder.draft.budget must be null or in (0, 1]")
     plans = manifest.get("plans")
     if plans is None:
         return

@@ -99,3 +99,18 @@ def test_decode_steps_replay_one_graph_per_plan(compiled_tiny):
     finally:
         compiled.use_cuda_graphs(False)
     assert compiled.decoder.graphs is None
+
+
+def test_calibration_chooses_the_draft_plan_by_acceptance_and_cost(calibrated_tiny, tmp_path):
+    compiled = calibrated_tiny["llama"]
+    draft = compiled.decoder.draft
+    budgets = {plan["budget"] for plan in compiled.plans if plan["budget"] > 0}
+    assert draft["candidates"] and {c["budget"] for c in draft["candidates"]} <= budgets
+    for candidate in draft["candidates"]:
+        assert 0 <= candidate["acceptance"] <= 1 and candidate["tokens_per_step"] >= 1
+    best = max(draft["candidates"], key=lambda c: c["modelled_speedup"])
+    if draft["budget"] is None:
+        assert best["modelled_speedup"] <= 1
+    else:
+        assert draft["budget"] == best["budget"] and best["modelled_speedup"] > 1
+    assert rbcompile.load(compiled.save(tmp_path / "calibrated")).decoder.draft == draft
