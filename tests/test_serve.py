@@ -1,0 +1,235 @@
+"""`rbcompile serve`: the OpenAI-compatible HTTP app (runtime/http.py) through TestClient, on
+tiny llama and bert artifacts, and the CLI's refusals (no server is started)."""
+import asyncio
+import base64
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+import rbcompile
+from rbcompile.cli import main
+from rbcompile.runtime.http import ModelWorker, ServeLimits, TextStream, create_app, mean_pooled
+
+PROMPTS = ["the a of and to in", "he she"]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoints):
+    return rbcompile.compile(tiny_checkpoints["llama"])
+
+
+@pytest.fixture(scope="module")
+def bert(tiny_checkpoints):
+    return rbcompile.compile(tiny_checkpoints["bert"])
+
+
+@pytest.fixture(scope="module")
+def decoder_client(llama):
+    return TestClient(create_app(llama, limits=ServeLimits(max_tokens_limit=40)))
+
+
+@pytest.fixture(scope="module")
+def encoder_client(bert):
+    return TestClient(create_app(bert))
+
+
+def greedy_texts(compiled, prompts, max_tokens, stop=None):
+    batch = compiled.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    result = compiled.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=max_tokens,
+                               stop=stop)
+    return [compiled.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in result.tokens]
+
+
+def stream_texts(client, body) -> tuple[dict, list[str]]:
+    """{row: concatenated text}, and the raw event lines."""
+    response = client.post("/v1/completions", json={**body, "stream": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [block for block in response.text.split("\n\n") if block]
+    assert all(event.startswith("data: ") for event in events)
+    assert events[-1] == "data: [DONE]"
+    texts, finish = {}, {}
+    for event in events[:-1]:
+        choice = json.loads(event[len("data: "):])["choices"][0]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        finish[choice["index"]] = choice["finish_reason"]
+    return texts, finish
+
+
+def test_completion_is_generate_greedy(decoder_client, llama):
+    body = {"model": llama.manifest["source"]["name"], "prompt": PROMPTS, "max_tokens": 8, "temperature": 0}
+    response = decoder_client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    payload = response.json()
+    assert payload["object"] == "text_completion" and payload["id"].startswith("cmpl-")
+    assert [c["text"] for c in payload["choices"]] == greedy_texts(llama, PROMPTS, 8)
+    assert [c["index"] for c in payload["choices"]] == [0, 1]
+    assert all(c["finish_reason"] in ("stop", "length") and c["logprobs"] is None for c in payload["choices"])
+    usage = payload["usage"]
+    assert usage["prompt_tokens"] == 8 and usage["total_tokens"] == 8 + usage["completion_tokens"]
+
+    texts, finish = stream_texts(decoder_client, body)
+    assert texts == {i: c["text"] for i, c in enumerate(payload["choices"])}
+    assert finish == {i: c["finish_reason"] for i, c in enumerate(payload["choices"])}
+
+
+def test_stop_string_cuts_the_text(decoder_client, llama):
+    full = greedy_texts(llama, PROMPTS[:1], 12)[0]
+    stop = " " + full.split()[2]  # the third word
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    choice = decoder_client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == full[:full.index(stop)] and choice["finish_reason"] == "stop"
+    assert stream_texts(decoder_client, body) == ({0: choice["text"]}, {0: "stop"})
+
+
+def test_seeded_sampling_repeats(decoder_client):
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.8, "top_p": 0.9, "seed": 3,
+            "rbcompile": {"speculate": "ngram"}}
+    first, second = (decoder_client.post("/v1/completions", json=body).json() for _ in range(2))
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+
+
+def test_embeddings_are_unit_mean_pooled(encoder_client, bert):
+    texts = ["the a of", "he she was in the"]
+    payload = encoder_client.post("/v1/embeddings", json={"input": texts}).json()
+    vectors = torch.tensor([row["embedding"] for row in payload["data"]])
+    assert vectors.shape == (2, 32)
+    assert torch.allclose(vectors.norm(dim=-1), torch.ones(2), atol=1e-5)
+    batch = bert.tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+    expected = mean_pooled(bert(batch["input_ids"], batch["attention_mask"])["last_hidden_state"],
+                           batch["attention_mask"])
+    assert torch.allclose(vectors, expected, atol=1e-5)
+    assert payload["usage"]["prompt_tokens"] == 8
+    encoded = encoder_client.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"})
+    decoded = np.frombuffer(base64.b64decode(encoded.json()["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(decoded, vectors[0].numpy(), atol=1e-6)
+
+
+def test_models_health_metrics(decoder_client, llama):
+    models = decoder_client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [llama.manifest["source"]["name"]]
+    assert decoder_client.get("/health").json() == {"status": "ok"}
+    decoder_client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "stream": True,
+                                                 "temperature": 0})
+    decoder_client.post("/v1/completions", json={"prompt": PROMPTS[0], "n": 2})
+    text = decoder_client.get("/metrics").text
+    for line in ('rbcompile_requests_total{endpoint="/v1/completions",status="200"}',
+                 'rbcompile_requests_total{endpoint="/v1/completions",status="400"}',
+                 'rbcompile_request_seconds_count{endpoint="/v1/completions"}',
+                 "rbcompile_time_to_first_token_seconds_count", "rbcompile_generated_tokens_total",
+                 "rbcompile_tokens_per_second", "rbcompile_speculative_drafted_tokens_total",
+                 "rbcompile_speculative_accepted_tokens_total", "rbcompile_requests_in_flight"):
+        assert line in text, line
+    generated = next(l for l in text.splitlines() if l.startswith("rbcompile_generated_tokens_total"))
+    assert float(generated.split()[-1]) >= 4
+
+
+@pytest.mark.parametrize("body, message, param", [
+    ({"prompt": "the", "logit_bias": {}}, "unknown field 'logit_bias'", "logit_bias"),
+    ({"prompt": "the", "rbcompile": {"qos": "batch"}}, "unknown field 'rbcompile.qos'", "rbcompile.qos"),
+    ({"prompt": "the", "n": 2}, "n=2 is not supported yet", "n"),
+    ({"prompt": "the", "max_tokens": "many"}, "valid integer", "max_tokens"),
+    ({"prompt": 7}, "valid string or", "prompt"),
+    ({"prompt": "the", "max_tokens": 41}, "over this server's limit of 40", "max_tokens"),
+    ({"prompt": "the " * 30, "max_tokens": 40}, "over the 34 positions left after the 30-token prompt", "max_tokens"),
+    ({"prompt": "the " * 64}, "a prompt has 64 tokens; at most 63", "prompt"),
+    ({"prompt": []}, "'prompt' is an empty list", "prompt"),
+    ({"prompt": "the", "model": "gpt-4"}, "unknown model 'gpt-4'", "model"),
+    ({"prompt": "the", "rbcompile": {"budget": 2}}, "less than or equal to 1", "rbcompile.budget"),
+    ({"prompt": "the", "stop": [""]}, "stop strings must not be empty", None),
+])
+def test_bad_completion_requests(decoder_client, body, message, param):
+    response = decoder_client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and "\n" not in error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
+
+
+def test_malformed_json_and_wrong_family(decoder_client, encoder_client):
+    response = decoder_client.post("/v1/completions", content=b"{not json",
+                                   headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    response = decoder_client.post("/v1/embeddings", json={"input": "the"})
+    assert response.status_code == 400
+    assert "serves encoder artifacts, not decoders: use /v1/completions" in response.json()["error"]["message"]
+    response = encoder_client.post("/v1/completions", json={"prompt": "the"})
+    assert response.status_code == 400
+    assert "serves decoder artifacts, not encoders: use /v1/embeddings" in response.json()["error"]["message"]
+
+
+def test_body_limit(llama):
+    client = TestClient(create_app(llama, limits=ServeLimits(max_body_bytes=64)))
+    response = client.post("/v1/completions", json={"prompt": "the " * 40})
+    assert response.status_code == 413
+    assert response.json()["error"]["message"] == "the request body is over the 64-byte limit"
+
+
+def test_api_key(llama):
+    client = TestClient(create_app(llama, api_key="s3cret"))
+    body = {"prompt": "the", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        response = client.post("/v1/completions", json=body, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/health").json() == {"status": "ok"}
+    good = {"Authorization": "Bearer s3cret"}
+    assert client.post("/v1/completions", json=body, headers=good).status_code == 200
+    assert client.get("/v1/models", headers=good).status_code == 200
+
+
+def test_worker_stops_when_the_stream_is_dropped():
+    produced = []
+
+    def tokens():
+        for token in range(500):
+            produced.append(token)
+            time.sleep(0.002)
+            yield token
+
+    async def read_one_then_leave():
+        worker = ModelWorker()
+        stream = worker.iterate(tokens())
+        assert await anext(stream) == 0
+        await stream.aclose()
+        await worker.call(lambda: None)  # queued behind the producer: it has returned
+
+    asyncio.run(read_one_then_leave())
+    assert len(produced) < 50
+
+
+def test_text_stream_holds_back_a_possible_stop_string():
+    stream = TextStream("".join, ["xy"])
+    assert [stream.add(c) for c in "abx"] == ["a", "b", ""]
+    assert stream.add("y") == "" and stream.finish() == ""
+    held = TextStream("".join, ["xy"])
+    assert [held.add(c) for c in "ax"] == ["a", ""] and held.finish() == "x"
+
+
+def test_cli_refuses_an_open_host_without_a_key(tmp_path, capsys, monkeypatch):
+    assert main(["serve", str(tmp_path), "--host", "0.0.0.0"]) == 2
+    assert "--host 0.0.0.0 is not a loopback address" in capsys.readouterr().err
+    monkeypatch.delenv("RBC_TEST_KEY", raising=False)
+    assert main(["serve", str(tmp_path), "--host", "0.0.0.0", "--api-key-env", "RBC_TEST_KEY"]) == 2
+    assert "RBC_TEST_KEY: that environment variable is not set" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--max-tokens-limit", "0"]) == 2
+
+
+def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
+    import uvicorn
+
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app, **options))
+    monkeypatch.setenv("RBC_TEST_KEY", "k3y")
+    artifact = llama.save(tmp_path / "artifact")
+    assert main(["serve", str(artifact), "--host", "0.0.0.0", "--port", "9001",
+                 "--api-key-env", "RBC_TEST_KEY"]) == 0
+    assert (served["host"], served["port"]) == ("0.0.0.0", 9001)
+    client = TestClient(served["app"])
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).status_code == 200
