@@ -110,6 +110,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("artifact")
     p.add_argument("--json", action="store_true", help="print the manifest's regions as JSON")
     p.add_argument("--budget", type=_budget, help="also show which regions this budget skips")
+    p.add_argument("--verbose", action="store_true", help="list every region (a table)")
 
     p = sub.add_parser("run", help="run an artifact on text")
     p.add_argument("artifact")
@@ -219,8 +220,9 @@ def _cmd_compile(args) -> None:
                               width_levels=args.width_levels, width_floor=args.width_floor,
                               calib_head=args.calib_head, kernels=args.kernels,
                               device=args.device, dtype=args.dtype)
-    for entry in model.manifest["passes"]:
-        say(f"  pass {entry['pass']}: {entry['summary']}")
+    if args.verbose:
+        for entry in model.manifest["passes"]:
+            say(f"  pass {entry['pass']}: {entry['summary']}")
     with step(f"writing artifact {args.output}"):
         out = model.save(args.output)
     counts = {}
@@ -276,13 +278,20 @@ def _cmd_inspect(args) -> None:
     calibrated = "calibrated plans" if manifest.get("plans") else "fixed skip order (no --calib)"
     print(f"{manifest['source']['name']}: {arch['class']} ({arch['model_type']}, {arch['family']}), "
           f"{arch['layers']} layers, sha256 {manifest['source']['sha256'][:12]}, {calibrated}")
-    rows = _region_rows(regions, setting)
-    widths_ = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths_)).rstrip())
+    if args.verbose:
+        rows = _region_rows(regions, setting)
+        widths_ = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths_)).rstrip())
+    else:
+        for kind in ("skeleton", "prunable", "cache"):
+            chosen = [r for r in regions if r["kind"] == kind]
+            print(f"  {len(chosen)} {kind} regions, {sum(r['flops_share'] for r in chosen):.1%} "
+                  "of FLOPs" + (" (--verbose lists them)" if kind == "prunable" else ""))
     if setting:
+        names = ", ".join(r["name"] for r in regions if r["id"] in skipped)
         print(f"budget {args.budget}: skips {len(skipped)} regions, narrows {len(narrowed)} = "
-              f"{saved:.1%} of prunable FLOPs")
+              f"{saved:.1%} of prunable FLOPs" + (f" (skips {names})" if names else ""))
 
 
 def _cmd_run(args) -> None:
@@ -436,7 +445,7 @@ def _cmd_curve(args) -> None:
     result["settings"] = {**settings, "data": args.data or "bundled Tempest excerpt",
                           "rounds": args.rounds, "classifier": args.classifier}
     (out / "curve.json").write_text(json.dumps(result, indent=1))
-    name = model.manifest["source"]["name"]
+    name = Path(model.manifest["source"]["name"]).name  # a checkpoint folder: its own name
     plot(result, f"{name}: quality vs speedup ({settings['batch']} x {settings['seq']} tokens)",
          out / "curve.png")
     print(format_table(result))

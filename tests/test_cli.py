@@ -45,11 +45,16 @@ def test_compile_writes_complete_artifact(llama_artifact):
 
 def test_inspect_table_json_and_budget(llama_artifact, capsys):
     assert main(["inspect", str(llama_artifact)]) == 0
+    summary = capsys.readouterr().out
+    assert "prunable regions" in summary and "model.layers.3.mlp" not in summary
+    assert main(["inspect", str(llama_artifact), "--verbose"]) == 0
     table = capsys.readouterr().out
     assert "model.layers.3.mlp" in table and "SKIP" not in table
-    assert main(["inspect", str(llama_artifact), "--budget", "0.4"]) == 0
+    assert main(["inspect", str(llama_artifact), "--budget", "0.4", "--verbose"]) == 0
     table = capsys.readouterr().out
     assert "SKIP" in table and "budget 0.4: skips" in table and "fixed skip order" in table
+    assert main(["inspect", str(llama_artifact), "--budget", "0.4"]) == 0
+    assert "(skips model.layers." in capsys.readouterr().out
     assert main(["inspect", str(llama_artifact), "--json", "--budget", "0.4"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert 0 < payload["budget"]["skipped_prunable_flops"] <= 0.4
