@@ -19,6 +19,7 @@ from .canonicalize import canonicalize
 from .discover_blocks import discover_blocks
 from .form_regions import form_regions
 from .fuse_kernels import fuse_kernels
+from .gqa_attention import gqa_attention
 from .mark_cache_reuse import mark_cache_reuse
 from .mark_prunable import mark_prunable
 from .mark_skeleton import mark_skeleton
@@ -28,6 +29,7 @@ logger = logging.getLogger("rbcompile.passes")
 
 PIPELINE = [
     canonicalize,
+    gqa_attention,
     annotate_dependencies,
     annotate_flops,
     discover_blocks,

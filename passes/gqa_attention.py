@@ -1,0 +1,65 @@
+"""Attention over grouped key / value heads without copying them (an exact rewrite).
+
+Requires: nothing (right after canonicalize). Ensures: no `scaled_dot_product_attention` reads
+keys or values through transformers' `repeat_kv` (`unsqueeze(x, 2) -> expand -> reshape`,
+which copies the whole K/V, the entire cache in a decode step, for every layer and call); such
+an attention reads `x` itself with `enable_gqa=True`, which computes the same values (each
+query head attends to its group's key / value head) without the copy.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .base import PassContext, PassReport, graph_pass, writes_input
+
+aten = torch.ops.aten
+_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+_ATTENTION = aten.scaled_dot_product_attention.default
+
+
+def _grouped_source(node) -> tuple[Node, int] | None:
+    """(x, group) when `node` is repeat_kv(x): x [B, KV, L, D] unsqueezed at 2, expanded to
+    [B, KV, group, L, D] and reshaped to [B, KV * group, L, D]; else None."""
+    if not isinstance(node, Node) or node.target not in _RESHAPES:
+        return None
+    expand = node.args[0]
+    if not isinstance(expand, Node) or expand.target is not aten.expand.default:
+        return None
+    unsqueeze = expand.args[0]
+    if (not isinstance(unsqueeze, Node) or unsqueeze.target is not aten.unsqueeze.default
+            or unsqueeze.args[1] != 2 or len(expand.args[1]) != 5):
+        return None
+    group = expand.args[1][2]
+    return (unsqueeze.args[0], group) if isinstance(group, int) and group > 1 else None
+
+
+def _erase_unused(node: Node) -> None:
+    """Erase `node` and then its inputs while nothing reads them."""
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current.op == "call_function" and not current.users and not writes_input(current):
+            inputs = list(current.all_input_nodes)
+            current.graph.erase_node(current)
+            pending += inputs
+
+
+@graph_pass()
+def gqa_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not _ATTENTION or node.kwargs.get("enable_gqa"):
+            continue
+        key, value = (_grouped_source(arg) for arg in node.args[1:3])
+        if key is None or value is None or key[1] != value[1]:
+            continue
+        old_key, old_value = node.args[1:3]
+        node.args = (node.args[0], key[0], value[0], *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+        _erase_unused(old_key)
+        _erase_unused(old_value)
+        rewritten += 1
+    gm.recompile()
+    return PassReport(rewritten > 0, f"{rewritten} attentions read grouped K/V heads in place "
+                      "(enable_gqa) instead of repeated copies", {"rewritten": rewritten})
