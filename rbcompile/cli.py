@@ -289,9 +289,11 @@ def _cmd_inspect(args) -> None:
             print(f"  {len(chosen)} {kind} regions, {sum(r['flops_share'] for r in chosen):.1%} "
                   "of FLOPs" + (" (--verbose lists them)" if kind == "prunable" else ""))
     if setting:
-        names = ", ".join(r["name"] for r in regions if r["id"] in skipped)
+        actions = [f"skips {r['name']}" for r in regions if r["id"] in skipped]
+        actions += [f"{r['name']} at width {narrowed[r['id']]:g}" for r in regions
+                    if r["id"] in narrowed]
         print(f"budget {args.budget}: skips {len(skipped)} regions, narrows {len(narrowed)} = "
-              f"{saved:.1%} of prunable FLOPs" + (f" (skips {names})" if names else ""))
+              f"{saved:.1%} of prunable FLOPs" + (f" ({', '.join(actions)})" if actions else ""))
 
 
 def _cmd_run(args) -> None:
