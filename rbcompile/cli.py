@@ -323,6 +323,7 @@ def _run_texts(model, engine, args) -> None:
     import torch
 
     from .errors import UserError
+    from .quality import mean_pool
 
     tokenizer = model.tokenizer
     if model.family == "decoder" and engine is model:
@@ -349,9 +350,7 @@ def _run_texts(model, engine, args) -> None:
                         "positions")
     batch = tokenizer(args.text, return_tensors="pt", padding=True)
     out = engine(batch["input_ids"], batch["attention_mask"], budget=args.budget)
-    hidden = out["last_hidden_state"].float().cpu()
-    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    pooled = mean_pool(out["last_hidden_state"].float().cpu(), batch["attention_mask"])
     for i, text in enumerate(args.text):
         head = ", ".join(f"{v:+.3f}" for v in pooled[i, :6].tolist())
         print(f"{text!r}: mean-pooled embedding dim {pooled.shape[1]} [{head}, ...]")

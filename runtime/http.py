@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from rbcompile.errors import UserError, first_line
 from rbcompile.generation import SPECULATE_MODES
+from rbcompile.quality import mean_pool
 
 log = logging.getLogger("rbcompile.serve")
 PUBLIC_PATHS = ("/health",)
@@ -478,7 +479,7 @@ class _Service:
         batch = self._encode(texts, "input")
         out = await self.worker.call(self.compiled, batch["input_ids"], batch["attention_mask"],
                                      budget=body.rbcompile.budget)
-        pooled = mean_pooled(out["last_hidden_state"], batch["attention_mask"])
+        pooled = mean_pool(out["last_hidden_state"].float().cpu(), batch["attention_mask"])
         tokens = int(batch["attention_mask"].sum())
         return {"object": "list", "model": self.name,
                 "data": [{"object": "embedding", "index": i, "embedding": _encoded(row, body.encoding_format)}
@@ -486,11 +487,6 @@ class _Service:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-def mean_pooled(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T, H] hidden states -> [B, H] mean over the unmasked tokens, L2-normalised (fp32)."""
-    hidden = hidden.float().cpu()
-    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
 
 def _encoded(vector: torch.Tensor, encoding_format: str):

@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 
 import rbcompile
 from rbcompile.cli import main
-from rbcompile.runtime.http import ModelWorker, ServeLimits, TextStream, create_app, mean_pooled
+from rbcompile.quality import mean_pool
+from rbcompile.runtime.http import ModelWorker, ServeLimits, TextStream, create_app
 
 PROMPTS = ["the a of and to in", "he she"]
 
@@ -100,8 +101,8 @@ def test_embeddings_are_unit_mean_pooled(encoder_client, bert):
     assert vectors.shape == (2, 32)
     assert torch.allclose(vectors.norm(dim=-1), torch.ones(2), atol=1e-5)
     batch = bert.tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
-    expected = mean_pooled(bert(batch["input_ids"], batch["attention_mask"])["last_hidden_state"],
-                           batch["attention_mask"])
+    expected = mean_pool(bert(batch["input_ids"], batch["attention_mask"])["last_hidden_state"],
+                         batch["attention_mask"])
     assert torch.allclose(vectors, expected, atol=1e-5)
     assert payload["usage"]["prompt_tokens"] == 8
     encoded = encoder_client.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"})
