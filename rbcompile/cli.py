@@ -569,5 +569,19 @@ def main(argv=None) -> int:
     return stop.exit_code() or EXIT_OK
 
 
+def entry() -> None:
+    """The `rbcompile` command (console script, `python -m rbcompile`, `python -m rbcompile.cli`).
+
+    After SIGINT / SIGTERM the command has already cleaned up; it then leaves without
+    interpreter finalisation, because CPython re-kills itself with SIGINT there (exit -2, not
+    130) when a library evaluated code that saw the KeyboardInterrupt."""
+    code = main()
+    if code in (EXIT_SIGINT, EXIT_SIGTERM):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
