@@ -19,8 +19,8 @@ DECODER_GRAPH, DECODER_SOURCE = "decoder_graph.json", "decoder.py"
 
 
 class Decoder:
-    """`step(input_ids, attention_mask, position_ids, cache_position, cache, gates=None)`
-    -> logits [B, T, vocab], writing the T new keys / values into `cache` (a list of tensors
+    """`step(input_ids, attention_mask, position_ids, cache_position, logit_positions, cache,
+    gates=None)` -> logits [B, K, vocab] at the K `logit_positions`, writing the T new keys / values into `cache` (a list of tensors
     in trace.cache_names order) at slots `cache_position`."""
 
     def __init__(self, module: torch.nn.Module, ir: dict, source: str, sizes: DecoderShape,
@@ -60,10 +60,11 @@ class Decoder:
         """The cache shape, in the dtype and on the device the module is now."""
         return dataclasses.replace(self.sizes, dtype=self.dtype, device=self.device)
 
-    def __call__(self, input_ids, attention_mask, position_ids, cache_position, cache,
-                 gates=None) -> torch.Tensor:
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position, logit_positions,
+                 cache, gates=None) -> torch.Tensor:
         gates = [True] * self.num_gates if gates is None else gates
-        inputs = (input_ids, attention_mask, position_ids, cache_position, *cache, gates)
+        inputs = (input_ids, attention_mask, position_ids, cache_position, logit_positions,
+                  *cache, gates)
         with torch.no_grad():
             if self.graphs is not None:
                 return self.graphs(plan_key(gates, None), *inputs)[0]

@@ -1,8 +1,9 @@
 """KV-cached text generation on a decoder step, with optional speculative decoding.
 
 The step is the generated decoder module's calling convention:
-`step(input_ids [B,T], attention_mask [B,max_len], position_ids [B,T], cache_position [T], kv)
--> logits [B,T,vocab]`, writing the K/V of the T tokens into `kv` at slots `cache_position`.
+`step(input_ids [B,T], attention_mask [B,max_len], position_ids [B,T], cache_position [T],
+logit_positions [K], kv) -> logits [B,K,vocab]`, writing the K/V of the T tokens into `kv` at
+slots `cache_position` and projecting only the K positions asked for onto the vocabulary.
 
 A vLLM-like engine in miniature, calls going one way: the `Scheduler` (one request's loop:
 prefill, then decode steps, finished rows leave the batch) asks a speculation policy which
@@ -83,12 +84,17 @@ class ModelRunner:
                  stats: GenerationStats):
         self.step, self.draft_step, self.cache, self.stats = step, draft_step, cache, stats
 
-    def forward(self, tokens: torch.Tensor, offset: int = 0, light: bool = False) -> torch.Tensor:
-        """Logits [B, T, vocab] of `tokens` [B, T] written from slot `length + offset` on."""
+    def forward(self, tokens: torch.Tensor, offset: int = 0, light: bool = False,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, vocab] (or [B, 1, vocab] with `last_only`) of `tokens` [B, T] written
+        from slot `length + offset` on."""
         attention_mask, position_ids, cache_position = self.cache.inputs(tokens.shape[1], offset)
+        count = tokens.shape[1]
+        logit_positions = torch.arange(count - 1 if last_only else 0, count, device=tokens.device)
         step = self.draft_step if light else self.step
         with torch.no_grad():
-            logits = step(tokens, attention_mask, position_ids, cache_position, self.cache.tensors)
+            logits = step(tokens, attention_mask, position_ids, cache_position, logit_positions,
+                          self.cache.tensors)
         self.stats.forward_calls += 1
         if not light:
             self.stats.rows_per_step.append(tokens.shape[0])
@@ -291,7 +297,7 @@ class Scheduler:
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         self._resumed = perf_counter()
-        logits = self.runner.forward(self.prompt_ids)
+        logits = self.runner.forward(self.prompt_ids, last_only=True)
         self.cache.commit(self.prompt_ids.shape[1])
         first = self.sampling.choose(logits[:, -1], self.generator).tolist()
         yield from self._emit(self._advance([[token] for token in first]))

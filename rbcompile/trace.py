@@ -95,7 +95,7 @@ def trace(model: torch.nn.Module, architecture: Architecture) -> TracedModel:
 
 # ---- decoders with a static KV cache -----------------------------------------------------------
 
-CACHED_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
+CACHED_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position", "logit_positions")
 
 
 def cache_names(layers: int) -> tuple[str, ...]:
@@ -108,8 +108,11 @@ class CachedDecoder(torch.nn.Module):
     convention of an artifact's decoder:
 
     `(input_ids [B, T], attention_mask [B, max_len], position_ids [B, T], cache_position [T],
-    key_cache_0, value_cache_0, ...) -> logits [B, T, vocab]`; each cache tensor is [B, KV heads,
-    max_len, head dim] and gets the T new keys / values at slots `cache_position`, in place.
+    logit_positions [K], key_cache_0, value_cache_0, ...) -> logits [B, K, vocab]`: the logits
+    of the K positions (indices into T) asked for (a prefill needs only its last; verifying
+    drafts needs all T), the vocabulary projection being the largest matmul of a small
+    model's prefill. Each cache tensor is [B, KV heads, max_len, head dim] and gets the T new
+    keys / values at slots `cache_position`, in place.
     `attention_mask` is 0 only on left-pad slots (later slots are masked by causality), so a
     cache rolls back by writing over it. transformers' StaticCache holds the given tensors
     (it allocates nothing); its layers write at `cache_position` and report `cache_position[0]`
@@ -119,7 +122,8 @@ class CachedDecoder(torch.nn.Module):
         super().__init__()
         self.model, self.max_len = model, max_len
 
-    def forward(self, input_ids, attention_mask, position_ids, cache_position, *cache):
+    def forward(self, input_ids, attention_mask, position_ids, cache_position, logit_positions,
+                *cache):
         from transformers import StaticCache
 
         static = StaticCache(config=self.model.config, max_cache_len=self.max_len)
@@ -132,7 +136,8 @@ class CachedDecoder(torch.nn.Module):
             layer.update = _writer(keys, values, cache_position)
             layer.is_initialized = True
         return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids, cache=static, use_cache=True).logits
+                          position_ids=position_ids, cache=static, use_cache=True,
+                          logits_to_keep=logit_positions).logits
 
 
 def _writer(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
@@ -150,7 +155,7 @@ def cached_example_inputs(dims, max_len: int, batch: int, seq: int, dtype, devic
     inputs = {"input_ids": torch.randint(0, dims.vocab, (batch, seq), generator=generator),
               "attention_mask": torch.ones(batch, max_len, dtype=torch.long),
               "position_ids": torch.arange(seq).expand(batch, seq).contiguous(),
-              "cache_position": torch.arange(seq)}
+              "cache_position": torch.arange(seq), "logit_positions": torch.arange(seq)}
     inputs = {name: value.to(device) for name, value in inputs.items()}
     cache = StaticKVCache(dims.layers, dims.kv_heads, dims.head_dim, max_len,
                           pads=torch.zeros(batch), dtype=dtype, device=device)
@@ -190,16 +195,19 @@ def trace_cached(model: torch.nn.Module, architecture: Architecture, max_len: in
     dims = architecture.dimensions(model.config)
     device, dtype = model_placement(model)
     names = CACHED_INPUTS + cache_names(dims.layers)
-    # batch and T of 2 or more (export specialises sizes 0 and 1), a short cache
+    # batch, T and K of 2 or more (export specialises sizes 0 and 1) and unequal (it would
+    # take equal sizes for the same size), a short cache
     example = cached_example_inputs(dims, min(max_len, 32), batch=2, seq=4, dtype=dtype,
                                     device=device)
+    example["logit_positions"] = example["logit_positions"][1:]
     wrapper = CachedDecoder(model, max_len).eval()
 
     def export(dynamic):
         batch = dynamic or torch.export.Dim("batch", min=1, max=4096)
         seq = dynamic or torch.export.Dim("seq", min=1, max=max_len)
         length = dynamic or torch.export.Dim("cache_len", min=2, max=max_len)
-        shapes = ({0: batch, 1: seq}, {0: batch, 1: length}, {0: batch, 1: seq}, {0: seq},
+        kept = dynamic or torch.export.Dim("kept", min=1, max=max_len)
+        shapes = ({0: batch, 1: seq}, {0: batch, 1: length}, {0: batch, 1: seq}, {0: seq}, {0: kept},
                   tuple({0: batch, 2: length} for _ in range(2 * dims.layers)))
         with torch.no_grad():
             return torch.export.export(wrapper, tuple(example[n] for n in names),

@@ -6,6 +6,7 @@ import torch
 
 import rbcompile
 from rbcompile.errors import UserError
+from rbcompile.kv_cache import StaticKVCache
 
 PROMPTS = torch.tensor([[0, 0, 21, 22, 23, 21, 22], [31, 32, 33, 34, 35, 31, 32]])
 
@@ -38,8 +39,32 @@ def test_decoder_graph_writes_the_cache_in_the_skeleton_and_gates_the_mlps(saved
     writes = [(node[0], node[4]) for node in decoder.ir["nodes"] if node[1].endswith("index_copy_.default")]
     assert len(writes) == 2 * decoder.shape.layers
     assert {regions[region]["kind"] for _, region in writes} == {"skeleton"}
-    assert decoder.ir["inputs"][:4] == ["input_ids", "attention_mask", "position_ids",
-                                        "cache_position"]
+    assert decoder.ir["inputs"][:5] == ["input_ids", "attention_mask", "position_ids",
+                                        "cache_position", "logit_positions"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_decoder_projects_only_the_logit_positions_asked_for(saved, arch):
+    """A prefill asks for its last position's logits only; they equal that row of the full
+    logits, and the cache gets the same keys / values either way."""
+    decoder = saved[arch][0].decoder
+    shape = decoder.shape
+    mask = (PROMPTS != 0).long()
+    outputs = {}
+    for name, positions in {"all": torch.arange(7), "last": torch.tensor([6]),
+                            "some": torch.tensor([4, 1])}.items():
+        cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, 12, 7 - mask.sum(1))
+        attention_mask, position_ids, cache_position = cache.inputs(7)
+        logits = decoder(PROMPTS, attention_mask, position_ids, cache_position, positions,
+                         cache.tensors)
+        outputs[name] = logits, cache.tensors
+    full, full_cache = outputs["all"]
+    assert outputs["last"][0].shape == (2, 1, full.shape[-1])
+    torch.testing.assert_close(outputs["last"][0], full[:, 6:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outputs["some"][0], full[:, [4, 1]], atol=1e-5, rtol=0)
+    for tensors in (outputs["last"][1], outputs["some"][1]):
+        for written, reference in zip(tensors, full_cache, strict=True):
+            torch.testing.assert_close(written[:, :, :7], reference[:, :, :7], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

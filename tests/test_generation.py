@@ -26,7 +26,7 @@ class KVWrapper(torch.nn.Module):
         super().__init__()
         self.model, self.max_len = model, max_len
 
-    def forward(self, input_ids, attention_mask, position_ids, cache_position, *kv):
+    def forward(self, input_ids, attention_mask, position_ids, cache_position, logit_positions, *kv):
         cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
         start = cache_position[0].clone()
         for i, layer in enumerate(cache.layers):
@@ -37,14 +37,16 @@ class KVWrapper(torch.nn.Module):
             layer.cumulative_length = start.clone()
             layer.is_initialized = True
         return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids, cache=cache, use_cache=True).logits
+                          position_ids=position_ids, cache=cache, use_cache=True,
+                          logits_to_keep=logit_positions).logits
 
 
 def _zeros(hidden, *args, **kwargs):
     return torch.zeros_like(hidden)
 
 
-def eager_step(model, input_ids, attention_mask, position_ids, cache_position, kv, gates=None):
+def eager_step(model, input_ids, attention_mask, position_ids, cache_position, logit_positions, kv,
+               gates=None):
     """The step interface; `gates` False skips that layer's MLP (identity on the residual)."""
     layers = model.model.layers if hasattr(model, "model") else model.transformer.h
     skipped = [layer.mlp for layer, keep in zip(layers, gates or ()) if not keep]
@@ -52,7 +54,7 @@ def eager_step(model, input_ids, attention_mask, position_ids, cache_position, k
         mlp.forward = _zeros
     try:
         return KVWrapper(model, kv[0].shape[2])(input_ids, attention_mask, position_ids,
-                                                cache_position, *kv)
+                                                cache_position, logit_positions, *kv)
     finally:
         for mlp in skipped:
             del mlp.forward
@@ -64,9 +66,11 @@ class Recorder:
     def __init__(self, step):
         self.step, self.calls = step, []
 
-    def __call__(self, input_ids, attention_mask, position_ids, cache_position, kv, gates=None):
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position, logit_positions, kv,
+                 gates=None):
         self.calls.append((input_ids.shape[0], input_ids.shape[1], int(cache_position[0])))
-        return self.step(input_ids, attention_mask, position_ids, cache_position, kv, gates=gates)
+        return self.step(input_ids, attention_mask, position_ids, cache_position, logit_positions,
+                         kv, gates=gates)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -278,8 +282,10 @@ class StrideModel:
     def __init__(self, stride):
         self.stride = stride
 
-    def __call__(self, input_ids, attention_mask, position_ids, cache_position, kv, gates=None):
-        return torch.nn.functional.one_hot((input_ids + self.stride) % TINY_VOCAB, TINY_VOCAB).float() * 20
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position, logit_positions, kv,
+                 gates=None):
+        following = (input_ids[:, logit_positions] + self.stride) % TINY_VOCAB
+        return torch.nn.functional.one_hot(following, TINY_VOCAB).float() * 20
 
 
 FAKE_SHAPE = DecoderShape(layers=1, kv_heads=1, head_dim=1, max_positions=512)
