@@ -11,7 +11,7 @@ from . import __version__
 from .atomic import write_folder
 from .codegen import generate_source
 from .cuda_graphs import GraphCache, plan_key
-from .decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder
+from .decoder import DECODER_GRAPH, DECODER_SOURCE, STEP_INPUTS, Decoder
 from .kv_cache import DecoderShape
 from .module import attach_weights, compile_regions, instantiate, weights
 from .errors import UserError, first_line
@@ -367,6 +367,9 @@ def load(path, device=None, dtype=None) -> CompiledModel:
     decoder = None
     if "decoder" in manifest:
         decoder_ir, decoder_source = _read_graph(path, DECODER_GRAPH, DECODER_SOURCE)
+        if tuple(decoder_ir["inputs"][:len(STEP_INPUTS)]) != STEP_INPUTS:
+            raise UserError(f"{path}: its decoder was built by an older rbcompile (step inputs "
+                            f"{', '.join(decoder_ir['inputs'][:4])}, ...); compile it again")
         decoder_module = instantiate(decoder_source, f"{path} decoder")
         attach_weights(decoder_module, tensors)
         decoder = Decoder(decoder_module, decoder_ir, decoder_source,

@@ -16,6 +16,8 @@ from .cuda_graphs import GraphCache, plan_key
 from .kv_cache import DecoderShape
 
 DECODER_GRAPH, DECODER_SOURCE = "decoder_graph.json", "decoder.py"
+# the step's inputs before the cache tensors (trace.CachedDecoder's calling convention)
+STEP_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position", "logit_positions")
 
 
 class Decoder:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .architectures import DECODER, Architecture
+from .decoder import STEP_INPUTS
 from .errors import CompileError, first_line
 from .kv_cache import StaticKVCache
 
@@ -95,7 +96,6 @@ def trace(model: torch.nn.Module, architecture: Architecture) -> TracedModel:
 
 # ---- decoders with a static KV cache -----------------------------------------------------------
 
-CACHED_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position", "logit_positions")
 
 
 def cache_names(layers: int) -> tuple[str, ...]:
@@ -194,7 +194,7 @@ def trace_cached(model: torch.nn.Module, architecture: Architecture, max_len: in
         raise CompileError(f"a KV cache is for decoders; {architecture.model_type} is an encoder")
     dims = architecture.dimensions(model.config)
     device, dtype = model_placement(model)
-    names = CACHED_INPUTS + cache_names(dims.layers)
+    names = STEP_INPUTS + cache_names(dims.layers)
     # batch, T and K of 2 or more (export specialises sizes 0 and 1) and unequal (it would
     # take equal sizes for the same size), a short cache
     example = cached_example_inputs(dims, min(max_len, 32), batch=2, seq=4, dtype=dtype,

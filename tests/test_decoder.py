@@ -1,6 +1,8 @@
 """The artifact's KV-cached decoder: its graph (cache writes in the skeleton, MLPs prunable),
 CompiledModel.generate equal to HF generate in every speculation mode after save / load
 (calibrated and permuted weights included), budgets mapped onto the decoder's MLP gates."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,6 +67,25 @@ def test_decoder_projects_only_the_logit_positions_asked_for(saved, arch):
     for tensors in (outputs["last"][1], outputs["some"][1]):
         for written, reference in zip(tensors, full_cache, strict=True):
             torch.testing.assert_close(written[:, :, :7], reference[:, :, :7], atol=1e-6, rtol=0)
+
+
+def test_a_decoder_with_another_step_convention_is_refused_at_load(saved, tmp_path):
+    """An artifact whose decoder step takes other inputs (one built before logit_positions)
+    is refused with a one-line error that says to compile it again."""
+    import json
+
+    from rbcompile.codegen import generate_source
+    from rbcompile.manifest import MANIFEST, digests
+
+    folder = Path(saved["llama"][0].save(tmp_path / "old"))
+    graph = (folder / "decoder_graph.json").read_text().replace('"logit_positions"', '"kept_rows"')
+    (folder / "decoder_graph.json").write_text(graph)
+    (folder / "decoder.py").write_text(generate_source(json.loads(graph)))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"]["sha256"] = digests(folder)
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="decoder was built by an older rbcompile .* compile it again"):
+        rbcompile.load(folder)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
