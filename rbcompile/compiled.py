@@ -227,19 +227,16 @@ class CompiledModel:
         if self.decoder is None:
             raise UserError("generate needs a decoder artifact with a KV-cached decoder "
                             "(recompile it with this rbcompile)")
-        budget = None if budget is None else check_budget(budget)
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
-        gates = self.decoder.gates_from(self.regions, self.gates_for_budget(budget)) \
-            if budget else None
+        gates = self.decoder_gates(budget)
         draft = None
         if draft_budget is None and self.decoder.draft is not None:
             draft_budget = self.decoder.draft["budget"]
             if draft_budget is None and speculate == "auto":
                 speculate = "ngram"  # calibration measured that no light plan pays
         if speculate in ("self", "auto"):
-            chosen = SELF_DRAFT_BUDGET if draft_budget is None else check_budget(draft_budget)
-            draft = partial(self.decoder, gates=self.decoder.gates_from(
-                self.regions, self.gates_for_budget(chosen)))
+            draft = partial(self.decoder, gates=self.decoder_gates(
+                SELF_DRAFT_BUDGET if draft_budget is None else draft_budget))
         eos = self.hf_config.get("eos_token_id")
         run = stream_tokens if stream else generate
         return run(partial(self.decoder, gates=gates), torch.as_tensor(input_ids),
@@ -258,6 +255,23 @@ class CompiledModel:
 
     def gates_for_budget(self, budget: float) -> list[bool]:
         return self.plan_for_budget(budget)[0]
+
+    def decoder_gates(self, budget: float | None) -> list[bool] | None:
+        """The KV-cached decoder's gates for `budget` (None for the full path: no budget or 0)."""
+        budget = None if budget is None else check_budget(budget)
+        return self.decoder.gates_from(self.regions, self.gates_for_budget(budget)) if budget else None
+
+    def batch_engine(self, max_batch: int = 16):
+        """A continuous-batching engine on the decoder (rbcompile/engine.py), for serving."""
+        from .engine import BatchEngine
+
+        if self.decoder is None:
+            raise UserError("continuous batching needs a decoder artifact with a KV-cached decoder")
+        eos = self.hf_config.get("eos_token_id")
+        decode = self.tokenizer.decode if self.tokenizer_dir is not None else None
+        return BatchEngine(self.decoder, self.decoder.shape, gates_for_budget=self.decoder_gates,
+                           eos_token_ids=() if eos is None else eos, decode=decode,
+                           max_batch=max_batch)
 
     def skipped_share(self, gates, widths=None) -> float:
         """Fraction of prunable FLOPs not computed under these gates and widths."""

@@ -246,7 +246,8 @@ class AutoPolicy:
 
 
 @dataclass
-class _Row:
+class RowTokens:
+    """One row's new tokens, and how far its text was searched for stop strings."""
     index: int                                   # the row in the caller's batch
     tokens: list[int] = field(default_factory=list)
     searched: int = 0                            # text already searched for stop strings
@@ -260,11 +261,11 @@ class StopCriteria:
     def __init__(self, max_new_tokens: int, eos_token_ids, stop: list[str], decode):
         self.max_new_tokens, self.eos, self.stop, self.decode = max_new_tokens, set(eos_token_ids), stop, decode
 
-    def finished(self, row: _Row) -> bool:
+    def finished(self, row: RowTokens) -> bool:
         return (row.tokens[-1] in self.eos or (bool(self.stop) and self._stop_reached(row))
                 or len(row.tokens) >= self.max_new_tokens)
 
-    def _stop_reached(self, row: _Row) -> bool:
+    def _stop_reached(self, row: RowTokens) -> bool:
         text = self.decode(row.tokens)
         ends = [found + len(s) for s in self.stop
                 if (found := text.find(s, max(0, row.searched - len(s) + 1))) >= 0]
@@ -273,8 +274,12 @@ class StopCriteria:
             row.text_end = min(ends)
         return bool(ends)
 
-    def text(self, row: _Row) -> str:
+    def text(self, row: RowTokens) -> str:
         return self.decode(row.tokens)[:row.text_end]
+
+    def reason(self, row: RowTokens) -> str:
+        """OpenAI's finish_reason for a finished row: 'stop' (EOS or a stop string) or 'length'."""
+        return "stop" if row.text_end is not None or row.tokens[-1] in self.eos else "length"
 
 
 class Scheduler:
@@ -289,7 +294,7 @@ class Scheduler:
         self.prompt_ids, self.prompts = prompt_ids, prompts
         self.sampling, self.generator, self.criteria = sampling, generator, criteria
         self.drafters, self.policy, self.draft_tokens = drafters, policy, draft_tokens
-        self.all_rows = [_Row(index) for index in range(len(prompts))]
+        self.all_rows = [RowTokens(index) for index in range(len(prompts))]
         self.rows = list(self.all_rows)
         self.pending = None      # [B] each running row's last token, not yet in the cache
         self.stats.prompt_tokens = sum(len(prompt) for prompt in prompts)
@@ -385,7 +390,7 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
     strings need `decode` (token ids -> text). `max_len`: the cache length (default: prompt +
     max_new_tokens). Bad input raises a one-line `UserError` before anything runs."""
     prompt_ids, pads = _check_prompts(input_ids, attention_mask)
-    max_len = _check_lengths(prompt_ids.shape[1], max_new_tokens, shape.max_positions, max_len)
+    max_len = check_lengths(prompt_ids.shape[1], max_new_tokens, shape.max_positions, max_len)
     _check_speculation(speculate, draft_step, draft_tokens)
     if stop and decode is None:
         raise UserError("stop strings need a decode function (token ids -> text)")
@@ -440,8 +445,8 @@ def _check_prompts(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tenso
     return input_ids, pads
 
 
-def _check_lengths(prompt_length: int, max_new_tokens: int, max_positions: int, max_len) -> int:
-    """The cache length."""
+def check_lengths(prompt_length: int, max_new_tokens: int, max_positions: int, max_len) -> int:
+    """The cache length; a one-line UserError when the prompt or max_new_tokens do not fit."""
     if prompt_length >= max_positions:
         raise UserError(f"the prompt has {prompt_length} tokens; the model allows fewer than "
                         f"{max_positions} positions")

@@ -81,3 +81,99 @@ class StaticKVCache:
         self.tensors = [t.index_select(0, rows) for t in self.tensors]
         self.pads = self.pads.index_select(0, rows)
         self.attention_mask = self.attention_mask.index_select(0, rows)
+
+
+class BatchKVCache:
+    """K/V for a batch whose rows change at every step (continuous batching).
+
+    `rows` rows are allocated; the first `active` are in use and all share the slot index:
+    slot `length` is the next one written. A request joins by a prefill written straight into
+    row `active` at slots [length - P, length), so its left pad is `length - P` (slots before it
+    are masked; positions are slot - pad, as in StaticKVCache). A row leaves by the last active
+    row being copied into its place. The slot axis grows in `block`s when full, after first
+    trying to compact it: moving every row's slots left by the smallest pad changes no
+    attention score (positions travel with the keys, masks with the pads)."""
+
+    def __init__(self, shape: DecoderShape, rows: int, block: int = 64):
+        self.shape, self.rows, self.block = shape, rows, block
+        self.tensors = self._allocate(block)
+        self.pads = torch.zeros(rows, dtype=torch.long, device=shape.device)
+        self.active = self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.tensors[0].shape[2]
+
+    def _allocate(self, capacity: int) -> list[torch.Tensor]:
+        s = self.shape
+        return [torch.zeros(self.rows, s.kv_heads, capacity, s.head_dim, dtype=s.dtype, device=s.device)
+                for _ in range(2 * s.layers)]
+
+    def views(self, rows: slice) -> list[torch.Tensor]:
+        """The cache tensors of `rows` (views: a step writes into the batch's storage)."""
+        return [tensor[rows] for tensor in self.tensors]
+
+    def attention_mask(self, rows: slice) -> torch.Tensor:
+        """[rows, capacity]: 1 on each row's slots from its pad on."""
+        slots = torch.arange(self.capacity, device=self.pads.device)
+        return (slots[None] >= self.pads[rows, None]).long()
+
+    def place(self, prompt_tokens: int) -> int:
+        """Room for a `prompt_tokens` prefill ending at slot `length` in row `active`; returns
+        that row (the caller writes the prefill there, then calls `join`)."""
+        if self.active == self.rows:
+            raise ValueError(f"all {self.rows} rows are in use")
+        if self.active == 0:
+            self.length = 0
+        if prompt_tokens > self.length:  # move the running rows right to make room before them
+            self._shift(prompt_tokens - self.length)
+        self._reserve(self.length + 1)
+        self.pads[self.active] = self.length - prompt_tokens
+        return self.active
+
+    def join(self) -> None:
+        """Row `active` (filled by a prefill after `place`) joins the batch."""
+        self.active += 1
+
+    def leave(self, row: int) -> None:
+        """Row `row` leaves; the last active row takes its place."""
+        last = self.active - 1
+        if row != last:
+            for tensor in self.tensors:
+                tensor[row].copy_(tensor[last])
+            self.pads[row] = self.pads[last]
+        self.active = last
+
+    def reserve_step(self, tokens: int = 1) -> None:
+        """Room for the next `tokens` slots of every active row."""
+        self._reserve(self.length + tokens)
+
+    def advance(self, tokens: int = 1) -> None:
+        self.length += tokens
+
+    def _reserve(self, slots: int) -> None:
+        if slots <= self.capacity:
+            return
+        low = int(self.pads[:self.active].min()) if self.active else 0
+        if low >= self.block:  # compacting frees at least a block
+            self._shift(-low)
+        self._grow(slots)
+
+    def _shift(self, by: int) -> None:
+        """Move the active rows' slots by `by` (right if positive), pads and length with them."""
+        self._grow(self.length + by)
+        start, end = max(0, -by), self.length
+        for tensor in self.tensors:
+            moved = tensor[:self.active, :, start:end].clone()
+            tensor[:self.active, :, start + by:end + by].copy_(moved)
+        self.pads[:self.active] += by
+        self.length += by
+
+    def _grow(self, slots: int) -> None:
+        """At least `slots` slots, in whole blocks."""
+        if slots <= self.capacity:
+            return
+        grown = self._allocate(-(-slots // self.block) * self.block)
+        for new, old in zip(grown, self.tensors):
+            new[:, :, :self.capacity].copy_(old)
+        self.tensors = grown

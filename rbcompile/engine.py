@@ -1,0 +1,232 @@
+"""Continuous batching for an artifact's decoder: requests join and leave the running batch at
+every decode step (as vLLM and TGI do), each with its own sampling, stop conditions and budget.
+
+Calls go one way. `BatchEngine.step()` admits waiting requests (a batch-1 prefill each,
+written straight into the `BatchKVCache` row the request will decode in; its first token comes
+from that prefill), runs one decode step over every running row, hands each row its token, and
+lets finished or cancelled rows leave. Any thread may `submit` / `cancel`; one thread (the
+server's model worker) calls `step`, or `run` to step whenever there is work. A row's tokens
+are those it would get alone: rows share only the step, never each other's keys (each row's
+mask starts at its own pad). Every forward (prefill or decode step) runs the plan of the
+smallest budget among the rows in the batch at that moment (budgets are skipped-compute
+shares, so no request gets less compute than it asked for; rows of one budget get exactly
+their tokens alone);
+speculative decoding stays per-request `generate` (a batch step emits one token per row).
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Callable
+
+import torch
+
+from .errors import UserError
+from .generation import RowTokens, StopCriteria, check_lengths
+from .kv_cache import BatchKVCache, DecoderShape
+from .sampling import SamplingConfig
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One prompt to complete. `on_token(token)` and `on_finish(request)` run on the engine's
+    thread; after `on_finish`, `finish_reason` is 'stop', 'length', 'cancelled' or 'error'
+    (with `error` set)."""
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    stop: list[str] = field(default_factory=list)
+    budget: float | None = None
+    on_token: Callable[[int], None] | None = None
+    on_finish: Callable[["EngineRequest"], None] | None = None
+    row: RowTokens = field(default_factory=lambda: RowTokens(0))
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    submitted: float = field(default_factory=perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.row.tokens
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started."""
+    prefills: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0       # rows summed over decode steps (mean batch = rows / steps)
+    tokens: int = 0
+    finished: int = 0
+
+
+class BatchEngine:
+    """`step(input_ids, attention_mask, position_ids, cache_position, logit_positions, cache,
+    gates=None)` is the artifact's decoder (see decoder.Decoder); `gates_for_budget(budget)`
+    its gates for a budget (None: the full path)."""
+
+    def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
+                 eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
+                 block: int = 64):
+        if max_batch < 1:
+            raise UserError(f"max_batch must be >= 1, got {max_batch}")
+        self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
+        self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
+        self.decode, self.max_batch = decode, max_batch
+        self.cache = BatchKVCache(shape, max_batch, block)
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []        # running[i] decodes in cache row i
+        self.criteria: dict[EngineRequest, StopCriteria] = {}
+        self.generators: dict[EngineRequest, torch.Generator | None] = {}
+        self.stats = EngineStats()
+        self.wake = threading.Condition()
+
+    # ---- any thread ----------------------------------------------------------------------
+
+    def submit(self, request: EngineRequest) -> EngineRequest:
+        """Queue `request`; bad input raises a one-line UserError here, before it is queued."""
+        if not request.prompt:
+            raise UserError("the prompt is empty (0 tokens)")
+        check_lengths(len(request.prompt), request.max_new_tokens, self.shape.max_positions, None)
+        if request.stop and self.decode is None:
+            raise UserError("stop strings need a decode function (token ids -> text)")
+        self.criteria[request] = StopCriteria(request.max_new_tokens, self.eos, list(request.stop),
+                                              self.decode)
+        self.generators[request] = request.sampling.generator(self.shape.device)
+        with self.wake:
+            self.waiting.append(request)
+            self.wake.notify()
+        return request
+
+    def cancel(self, request: EngineRequest) -> None:
+        """Stop `request` at the next step (a client gone); its row is freed."""
+        with self.wake:
+            request.cancelled = True
+            self.wake.notify()
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    # ---- the engine's thread ---------------------------------------------------------------
+
+    def run(self, stop: threading.Event, on_error: Callable[[BaseException], None] | None = None) -> None:
+        """Step while there is work, sleep while there is none, until `stop` is set."""
+        while not stop.is_set():
+            with self.wake:
+                while not (self.waiting or self.running or stop.is_set()):
+                    self.wake.wait(0.5)
+            try:
+                self.step()
+            except Exception as exc:  # the requests it hit are finished with the error
+                if on_error is not None:
+                    on_error(exc)
+
+    def step(self) -> bool:
+        """Admit waiting requests, then one decode step for every running row. False when
+        there was nothing to do."""
+        try:
+            self._drop_cancelled()
+            self._admit()
+            if not self.running:
+                return False
+            self._decode()
+            return True
+        except Exception as exc:
+            self._fail_all(exc)
+            raise
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            with self.wake:
+                request = self.waiting.popleft()
+            if request.cancelled:
+                self._finish(request, "cancelled")
+                continue
+            prompt = torch.tensor([request.prompt], device=self.shape.device)
+            count = prompt.shape[1]
+            row = self.cache.place(count)
+            rows = slice(row, row + 1)
+            slots = torch.arange(self.cache.length - count, self.cache.length, device=self.shape.device)
+            self.running.append(request)   # before the step: a failing prefill fails it too
+            logits = self.step_fn(prompt, self.cache.attention_mask(rows),
+                                  torch.arange(count, device=self.shape.device)[None], slots,
+                                  torch.tensor([count - 1], device=self.shape.device),
+                                  self.cache.views(rows), gates=self._batch_gates())
+            self.cache.join()
+            self.stats.prefills += 1
+            self._emit(request, int(request.sampling.choose(logits[:, -1], self.generators[request])))
+        self._leave_finished()
+
+    def _decode(self) -> None:
+        cache, device = self.cache, self.shape.device
+        cache.reserve_step()
+        rows = slice(0, cache.active)
+        pending = torch.tensor([[request.tokens[-1]] for request in self.running], device=device)
+        logits = self.step_fn(pending, cache.attention_mask(rows),
+                              (cache.length - cache.pads[rows])[:, None],
+                              torch.tensor([cache.length], device=device),
+                              torch.zeros(1, dtype=torch.long, device=device), cache.views(rows),
+                              gates=self._batch_gates())[:, -1]
+        cache.advance()
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(self.running)
+        greedy = logits.argmax(-1).tolist()
+        for index, request in enumerate(self.running):
+            sampling = request.sampling
+            token = (int(sampling.choose(logits[index:index + 1], self.generators[request]))
+                     if sampling.do_sample else greedy[index])
+            self._emit(request, token)
+        self._leave_finished()
+
+    def _batch_gates(self):
+        """The gates of the smallest budget among the running rows (None, the full path, beats
+        any)."""
+        budgets = [request.budget for request in self.running]
+        return self.gates_for_budget(None if None in budgets else min(budgets))
+
+    def _emit(self, request: EngineRequest, token: int) -> None:
+        request.row.tokens.append(token)
+        if request.first_token_at is None:
+            request.first_token_at = perf_counter()
+        self.stats.tokens += 1
+        if request.on_token is not None:
+            request.on_token(token)
+        criteria = self.criteria[request]
+        if criteria.finished(request.row):
+            request.finish_reason = criteria.reason(request.row)
+
+    def _drop_cancelled(self) -> None:
+        for request in self.running:
+            if request.cancelled and request.finish_reason is None:
+                request.finish_reason = "cancelled"
+        self._leave_finished()
+
+    def _leave_finished(self) -> None:
+        """Finished rows leave the batch (the last row moves into each freed one)."""
+        for index in reversed(range(len(self.running))):
+            request = self.running[index]
+            if request.finish_reason is None:
+                continue
+            self.cache.leave(index)
+            self.running[index] = self.running[-1]
+            self.running.pop()
+            self._finish(request, request.finish_reason)
+
+    def _finish(self, request: EngineRequest, reason: str, error: BaseException | None = None) -> None:
+        request.finish_reason, request.error = reason, error
+        self.criteria.pop(request, None)
+        self.generators.pop(request, None)
+        self.stats.finished += 1
+        if request.on_finish is not None:
+            request.on_finish(request)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A step failed: every running request ends with the error; the cache starts over."""
+        failed, self.running = self.running, []
+        self.cache = BatchKVCache(self.shape, self.max_batch, self.cache.block)
+        for request in failed:
+            self._finish(request, "error", exc)

@@ -1,0 +1,161 @@
+"""Continuous batching (rbcompile/engine.py) on tiny decoder artifacts: every request gets the
+tokens it would get alone from `generate`, whatever joins or leaves the batch around it, the
+batch's K/V cache keeps every row's keys through joins, leaves, shifts, compaction and growth,
+and cancelled or bad requests leave the others alone."""
+import pytest
+import torch
+
+from rbcompile.engine import EngineRequest
+from rbcompile.errors import UserError
+from rbcompile.kv_cache import BatchKVCache, DecoderShape
+from rbcompile.sampling import SamplingConfig
+
+PROMPTS = [[21, 22, 23, 21, 22], [31, 32], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42]]
+
+
+def alone(compiled, prompt, max_new_tokens, **options):
+    return compiled.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, **options).tokens[0]
+
+
+def drain(engine, requests, submit_at: dict[int, list[EngineRequest]] | None = None, limit=500):
+    """Step until every request finished; `submit_at[k]` are submitted before step k."""
+    for k in range(limit):
+        for request in (submit_at or {}).get(k, []):
+            engine.submit(request)
+        engine.step()
+        if all(r.finish_reason for r in requests) and k >= max(submit_at or {0: 0}):
+            return
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_requests_joining_and_leaving_get_their_tokens_alone(compiled_tiny, arch):
+    """Four prompts of different lengths, two rows, a small block: requests wait, join at
+    different steps (one prompt longer than the running rows, so the batch's slots shift right),
+    leave at different steps (different max_new_tokens), the cache grows and compacts; each
+    request's tokens equal `generate` on it alone."""
+    compiled = compiled_tiny[arch][0]
+    engine = compiled.batch_engine(max_batch=2)
+    engine.cache.block = 4
+    lengths = [12, 5, 9, 14]
+    requests = [EngineRequest(prompt, new) for prompt, new in zip(PROMPTS, lengths)]
+    drain(engine, requests, {0: requests[:2], 3: requests[2:]})
+    for request, prompt, new in zip(requests, PROMPTS, lengths):
+        assert request.tokens == alone(compiled, prompt, new), prompt
+        assert request.finish_reason in ("stop", "length")
+    assert engine.cache.active == 0 and not engine.running
+    assert engine.stats.decode_rows > engine.stats.decode_steps   # rows really shared steps
+
+
+def test_sampled_requests_with_seeds_match_alone_and_budgets_take_the_smallest(compiled_tiny):
+    compiled = compiled_tiny["llama"][0]
+    engine = compiled.batch_engine(max_batch=4)
+    sampled = EngineRequest(PROMPTS[0], 10, SamplingConfig(do_sample=True, temperature=0.8, seed=3))
+    greedy = EngineRequest(PROMPTS[1], 10, budget=0.5)
+    drain(engine, [sampled, greedy], {0: [sampled, greedy]})
+    assert sampled.tokens == alone(compiled, PROMPTS[0], 10, do_sample=True, temperature=0.8, seed=3)
+    assert greedy.tokens == alone(compiled, PROMPTS[1], 10)   # batched with a full-path row
+    gates = []
+    engine.gates_for_budget = lambda budget: gates.append(budget) or compiled.decoder_gates(budget)
+    light = [EngineRequest(PROMPTS[2], 4, budget=0.5), EngineRequest(PROMPTS[3], 4, budget=0.3)]
+    drain(engine, light, {0: light})
+    assert gates[0] == 0.5 and set(gates[1:]) == {0.3}   # alone, then with the smaller budget
+    assert light[1].tokens == alone(compiled, PROMPTS[3], 4, budget=0.3)
+
+
+def test_cancelled_request_frees_its_row_and_others_go_on(compiled_tiny):
+    compiled = compiled_tiny["llama"][0]
+    engine = compiled.batch_engine(max_batch=2)
+    seen = []
+    gone = EngineRequest(PROMPTS[0], 20, on_token=seen.append)
+    kept = EngineRequest(PROMPTS[1], 12)
+    waiting = EngineRequest(PROMPTS[3], 6)
+    for request in (gone, kept, waiting):
+        engine.submit(request)
+    engine.step()
+    engine.step()
+    engine.cancel(gone)
+    drain(engine, [gone, kept, waiting])
+    assert gone.finish_reason == "cancelled" and len(seen) == 3 == len(gone.tokens)  # prefill + 2 steps
+    assert kept.tokens == alone(compiled, PROMPTS[1], 12)
+    assert waiting.tokens == alone(compiled, PROMPTS[3], 6)
+
+
+def test_stop_strings_and_finish_reasons(compiled_tiny):
+    compiled = compiled_tiny["llama"][0]
+    engine = compiled.batch_engine()
+    full = alone(compiled, PROMPTS[2], 8)
+    stop = compiled.tokenizer.decode(full[2:4])
+    finished = []
+    stopped = EngineRequest(PROMPTS[2], 8, stop=[stop], on_finish=finished.append)
+    capped = EngineRequest(PROMPTS[2], 3, on_finish=finished.append)
+    drain(engine, [stopped, capped], {0: [stopped, capped]})
+    assert stopped.finish_reason == "stop" and stop in compiled.tokenizer.decode(stopped.tokens)
+    assert len(stopped.tokens) <= 4 and stopped.tokens == full[:len(stopped.tokens)]
+    assert capped.finish_reason == "length" and capped.tokens == full[:3]
+    assert set(finished) == {stopped, capped}
+
+
+@pytest.mark.parametrize("prompt,new,message", [
+    ([], 4, "the prompt is empty"),
+    ([3] * 64, 1, "the prompt has 64 tokens"),
+    ([3] * 10, 60, "max_new_tokens must be between 1 and the 54 positions left"),
+])
+def test_bad_requests_are_refused_before_they_are_queued(compiled_tiny, prompt, new, message):
+    engine = compiled_tiny["llama"][0].batch_engine()
+    with pytest.raises(UserError, match=message):
+        engine.submit(EngineRequest(prompt, new))
+    assert not engine.queued
+
+
+def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth():
+    """Each row's slots hold (row id, position) pairs; after every operation each active row
+    still holds its own pairs at slots pad + position."""
+    shape = DecoderShape(layers=1, kv_heads=1, head_dim=2, max_positions=512)
+    cache = BatchKVCache(shape, rows=3, block=4)
+    owners = []   # owner id per cache row
+
+    def write(row, first_position, count, owner):
+        slots = range(cache.length - count, cache.length) if first_position else None
+        for tensor in cache.tensors:
+            for i, slot in enumerate(slots or range(cache.length, cache.length + count)):
+                tensor[row, 0, slot] = torch.tensor([owner, first_position + i], dtype=tensor.dtype)
+
+    def check():
+        for row, owner in enumerate(owners):
+            pad = int(cache.pads[row])
+            for tensor in cache.tensors:
+                for slot in range(pad, cache.length):
+                    assert tensor[row, 0, slot].tolist() == [owner, slot - pad], (row, slot)
+
+    def join(owner, prompt):
+        row = cache.place(prompt)
+        for tensor in cache.tensors:
+            for i, slot in enumerate(range(cache.length - prompt, cache.length)):
+                tensor[row, 0, slot] = torch.tensor([owner, i], dtype=tensor.dtype)
+        cache.join()
+        owners.append(owner)
+        check()
+
+    def decode(steps):
+        for _ in range(steps):
+            cache.reserve_step()
+            for row, owner in enumerate(owners):
+                for tensor in cache.tensors:
+                    tensor[row, 0, cache.length] = torch.tensor(
+                        [owner, cache.length - int(cache.pads[row])], dtype=tensor.dtype)
+            cache.advance()
+            check()
+
+    join(1, 3)
+    decode(2)
+    join(2, 9)            # longer than the running row: slots shift right
+    assert int(cache.pads[0]) == 4
+    decode(3)
+    cache.leave(0)        # row 1 moves into row 0
+    owners[0:2] = [owners[1]]
+    check()
+    join(3, 2)
+    capacity = cache.capacity
+    decode(9)             # past the capacity: compacts (pads >= block) or grows
+    assert cache.capacity >= capacity and int(cache.pads[:cache.active].min()) < cache.block
