@@ -1,11 +1,19 @@
 """An OpenAI-compatible HTTP server for a compiled artifact (FastAPI; `rbcompile serve`).
 
-`create_app(compiled)` serves `POST /v1/completions` (decoders: the KV-cached `generate`,
-streamed as server-sent events with `stream: true`), `POST /v1/embeddings` (encoders:
-mean-pooled, L2-normalised hidden states), `GET /v1/models`, `GET /health` and `GET /metrics`
-(Prometheus text). Requests run through the model one at a time on a single worker thread, so
-the event loop stays free; a streaming client that disconnects stops its generation at the next
-token. Errors are the OpenAI shape `{"error": {"message", "type", "param", "code"}}`, one line.
+`create_app(compiled)` serves `POST /v1/completions` and `POST /v1/chat/completions` (decoders:
+the KV-cached `generate`, streamed as server-sent events with `stream: true`; chat where the
+tokenizer has a chat template), `POST /v1/embeddings` (encoders: mean-pooled, L2-normalised hidden
+states), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus text).
+
+Both generation endpoints take one path (`_Service._respond`): the prompts' token batch, each
+row repeated `n` times (choice `prompt_index * n + k`), goes through `generate` once, and a
+`ChoiceFormat` per endpoint shapes its choices and stream chunks. A `seed` seeds the one
+generator the whole batch draws from, row after row: a request with a seed repeats exactly, and
+its n choices differ because each row draws its own numbers from that generator (the same prompt
+and seed in a request with another batch can give other text). Requests run through the model
+one at a time on a single worker thread, so the event loop stays free; a streaming client that
+disconnects stops its generation at the next token. Errors are the OpenAI shape
+`{"error": {"message", "type", "param", "code"}}`, one line.
 """
 from __future__ import annotations
 
@@ -20,12 +28,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
@@ -36,15 +45,17 @@ from rbcompile.quality import mean_pool
 
 log = logging.getLogger("rbcompile.serve")
 PUBLIC_PATHS = ("/health",)
-ENDPOINTS = ("/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health",
+             "/metrics")
 
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """Per-request limits: body bytes, and new tokens per completion (also capped by the
-    positions the prompt leaves)."""
+    """Per-request limits: body bytes, new tokens per completion (also capped by the positions
+    the prompt leaves), and choices per prompt (`n`)."""
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 1024
+    max_n: int = 8
 
 
 class ApiError(Exception):
@@ -81,18 +92,45 @@ class EmbeddingExtension(_Strict):
     budget: float | None = Field(None, ge=0, le=1)
 
 
-class CompletionRequest(_Strict):
+class _GenerationRequest(_Strict):
+    """The fields /v1/completions and /v1/chat/completions share."""
     model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1)
     stream: bool = False
     user: str | None = None
     rbcompile: CompletionExtension = CompletionExtension()
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1)
+
+    def asked_tokens(self) -> tuple[int | None, str]:
+        """(new tokens asked for, the field that asked)."""
+        return self.max_tokens, "max_tokens"
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def asked_tokens(self) -> tuple[int | None, str]:
+        """(new tokens asked for, the field that asked); None: as many as fit."""
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ApiError(400, "give max_completion_tokens or max_tokens, not both", "max_tokens")
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
 
 class EmbeddingRequest(_Strict):
@@ -276,6 +314,69 @@ class TextStream:
         return delta
 
 
+# ---- choices ---------------------------------------------------------------------------------
+
+class ChoiceFormat(Protocol):
+    """How a generation endpoint shapes a choice: whole (`choice`), and streamed as the choice
+    dicts of the chunks that open it, add text to it, and end it."""
+    object: str
+    chunk_object: str
+    id_prefix: str
+
+    def choice(self, index: int, text: str, finish_reason: str) -> dict: ...
+
+    def opening(self, index: int) -> list[dict]: ...
+
+    def delta(self, index: int, text: str) -> dict: ...
+
+    def ending(self, index: int, rest: str, finish_reason: str) -> list[dict]: ...
+
+
+class CompletionFormat:
+    """/v1/completions: `text`; a stream's last chunk per choice carries the rest of the text."""
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def choice(self, index, text, finish_reason):
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening(self, index):
+        return []
+
+    def delta(self, index, text):
+        return self.choice(index, text, None)
+
+    def ending(self, index, rest, finish_reason):
+        return [self.choice(index, rest, finish_reason)]
+
+
+class ChatFormat:
+    """/v1/chat/completions: an assistant `message`; streamed as `delta`s, the first giving the
+    role, the last empty with the finish_reason."""
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def choice(self, index, text, finish_reason):
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def opening(self, index):
+        return [self._chunk(index, {"role": "assistant", "content": ""})]
+
+    def delta(self, index, text):
+        return self._chunk(index, {"content": text})
+
+    def ending(self, index, rest, finish_reason):
+        return ([self.delta(index, rest)] if rest else []) + [self._chunk(index, {}, finish_reason)]
+
+    @staticmethod
+    def _chunk(index: int, delta: dict, finish_reason: str | None = None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+COMPLETION, CHAT = CompletionFormat(), ChatFormat()
+
+
 # ---- the app -----------------------------------------------------------------------------------
 
 def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits()) -> FastAPI:
@@ -302,6 +403,10 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         return await service.complete(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        return await service.chat(body)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
@@ -377,13 +482,14 @@ class _Service:
         if model is not None and model != self.name:
             raise ApiError(400, f"unknown model '{model}': this server serves '{self.name}'", "model")
 
-    def _encode(self, texts: list[str], param: str):
+    def _encode(self, texts: list[str], param: str, add_special_tokens: bool = True):
         """The texts as one batch (decoders left-padded for generate, encoders right-padded so
         positions start at 0); refused when empty or longer than the model."""
         if not texts:
             raise ApiError(400, f"'{param}' is an empty list", param)
         side = "left" if self.compiled.family == "decoder" else "right"
-        batch = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side=side)
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side=side,
+                               add_special_tokens=add_special_tokens)
         longest = int(batch["attention_mask"].sum(1).max())
         most = self.compiled.max_positions - (self.compiled.family == "decoder")  # room for 1 token
         if longest > most:
@@ -391,46 +497,71 @@ class _Service:
                            f"{self.compiled.max_positions} positions", param)
         return batch
 
-    def _check_max_tokens(self, max_tokens: int, prompt_tokens: int) -> None:
+    def _max_new_tokens(self, asked: int | None, param: str, prompt_tokens: int) -> int:
+        """`asked`, checked against the server's limit and the positions the prompt leaves;
+        None: as many as both allow."""
         left = self.compiled.max_positions - prompt_tokens
-        if max_tokens > self.limits.max_tokens_limit:
-            raise ApiError(400, f"max_tokens={max_tokens} is over this server's limit of "
-                           f"{self.limits.max_tokens_limit}", "max_tokens")
-        if max_tokens > left:
-            raise ApiError(400, f"max_tokens={max_tokens} is over the {left} positions left after "
+        if asked is None:
+            return min(self.limits.max_tokens_limit, left)
+        if asked > self.limits.max_tokens_limit:
+            raise ApiError(400, f"{param}={asked} is over this server's limit of "
+                           f"{self.limits.max_tokens_limit}", param)
+        if asked > left:
+            raise ApiError(400, f"{param}={asked} is over the {left} positions left after "
                            f"the {prompt_tokens}-token prompt (the model has "
-                           f"{self.compiled.max_positions})", "max_tokens")
+                           f"{self.compiled.max_positions})", param)
+        return asked
 
-    # ---- completions -------------------------------------------------------------------------
+    # ---- completions and chat ----------------------------------------------------------------
 
     async def complete(self, body: CompletionRequest):
         self._check_model(body.model, "decoder", "/v1/completions", "/v1/embeddings")
-        if body.n != 1:
-            raise ApiError(400, f"n={body.n} is not supported yet: one completion per prompt (n=1)", "n")
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        return await self._respond(body, self._encode(prompts, "prompt"), COMPLETION)
+
+    async def chat(self, body: ChatCompletionRequest):
+        self._check_model(body.model, "decoder", "/v1/chat/completions", "/v1/embeddings")
+        if self.tokenizer.chat_template is None:
+            raise ApiError(400, f"model '{self.name}' has no chat template: use /v1/completions")
+        if not body.messages:
+            raise ApiError(400, "'messages' is an empty list", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
+                                                      add_generation_prompt=True, tokenize=False)
+        except TemplateError as error:
+            raise ApiError(400, f"the chat template refused the messages: {first_line(error)}",
+                           "messages") from error
+        # the template writes the special tokens it wants (a BOS): none are added again
+        batch = self._encode([text], "messages", add_special_tokens=False)
+        return await self._respond(body, batch, CHAT)
+
+    async def _respond(self, body: CompletionRequest | ChatCompletionRequest, batch, fmt: ChoiceFormat):
+        """Generate `body.n` choices per row of `batch` (choice `row * n + k`) in one batch:
+        the response, or with `stream` its server-sent events."""
+        if body.n > self.limits.max_n:
+            raise ApiError(400, f"n={body.n} is over this server's limit of {self.limits.max_n}", "n")
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        batch = self._encode(prompts, "prompt")
-        self._check_max_tokens(body.max_tokens, batch["input_ids"].shape[1])
+        max_tokens = self._max_new_tokens(*body.asked_tokens(), batch["input_ids"].shape[1])
+        prompt_tokens = int(batch["attention_mask"].sum())
         generate = partial(
-            self.compiled.generate, batch["input_ids"], batch["attention_mask"],
-            max_new_tokens=body.max_tokens, do_sample=body.temperature > 0,
+            self.compiled.generate, batch["input_ids"].repeat_interleave(body.n, 0),
+            batch["attention_mask"].repeat_interleave(body.n, 0),
+            max_new_tokens=max_tokens, do_sample=body.temperature > 0,
             temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
             seed=body.seed, stop=stop or None, budget=body.rbcompile.budget,
             speculate=body.rbcompile.speculate)
-        header = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+        header = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}",
+                  "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.name}
-        prompt_tokens = int(batch["attention_mask"].sum())
         if body.stream:
             events = await self.worker.call(generate, stream=True)  # checks, before the 200
-            return StreamingResponse(self._sse(events, header, len(prompts), stop, body.max_tokens),
+            choices = len(batch["input_ids"]) * body.n
+            return StreamingResponse(self._sse(events, header, fmt, choices, stop, max_tokens),
                                      media_type="text/event-stream")
         result = await self.worker.call(generate)
         self.metrics.record_generation(result.stats)
-        choices = []
-        for index, tokens in enumerate(result.tokens):
-            text, stopped = cut_at_stop(self._decode(tokens), stop)
-            choices.append({"index": index, "text": text, "logprobs": None,
-                            "finish_reason": self._finish_reason(tokens, stopped, body.max_tokens)})
+        choices = [fmt.choice(index, *self._ending(tokens, stop, max_tokens))
+                   for index, tokens in enumerate(result.tokens)]
         completion_tokens = sum(len(tokens) for tokens in result.tokens)
         return {**header, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -439,18 +570,24 @@ class _Service:
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def _finish_reason(self, tokens: list[int], stopped: bool, max_tokens: int) -> str:
-        return "stop" if stopped or (tokens and tokens[-1] in self.eos) or len(tokens) < max_tokens else "length"
+    def _ending(self, tokens: list[int], stop: list[str], max_tokens: int) -> tuple[str, str]:
+        """A row's text, cut at a stop string, and its finish_reason."""
+        text, stopped = cut_at_stop(self._decode(tokens), stop)
+        ended = stopped or (tokens and tokens[-1] in self.eos) or len(tokens) < max_tokens
+        return text, "stop" if ended else "length"
 
-    async def _sse(self, events, header: dict, rows: int, stop: list[str], max_tokens: int):
-        """Server-sent events: a chunk per token with the text it adds, a last chunk per row
-        with the rest and its finish_reason, then [DONE]."""
-        def chunk(index, text, finish_reason=None):
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    async def _sse(self, events, header: dict, fmt: ChoiceFormat, choices: int, stop: list[str],
+                   max_tokens: int):
+        """Server-sent events: the chunks opening each choice, a chunk per token with the text
+        it adds, the chunks ending each choice with its finish_reason, then [DONE]."""
+        def chunk(choice: dict) -> str:
             return f"data: {_json({**header, 'choices': [choice]})}\n\n"
 
         started = time.perf_counter()
-        streams = [TextStream(self._decode, stop) for _ in range(rows)]
+        for index in range(choices):
+            for choice in fmt.opening(index):
+                yield chunk(choice)
+        streams = [TextStream(self._decode, stop) for _ in range(choices)]
         first = True
         try:
             async for row, token in self.worker.iterate(events):
@@ -458,7 +595,7 @@ class _Service:
                     self.metrics.ttft.observe(time.perf_counter() - started)
                     first = False
                 if delta := streams[row].add(token):
-                    yield chunk(row, delta)
+                    yield chunk(fmt.delta(row, delta))
         except Exception as exc:  # the 200 is sent: report in the stream
             log.exception("generation failed mid-stream")
             yield f"data: {_json(error_body(first_line(exc), kind='server_error'))}\n\n"
@@ -467,8 +604,8 @@ class _Service:
         self.metrics.record_generation(result.stats)
         for row, stream in enumerate(streams):
             rest = stream.finish()
-            stopped = cut_at_stop(self._decode(stream.tokens), stop)[1]
-            yield chunk(row, rest, self._finish_reason(stream.tokens, stopped, max_tokens))
+            for choice in fmt.ending(row, rest, self._ending(stream.tokens, stop, max_tokens)[1]):
+                yield chunk(choice)
         yield "data: [DONE]\n\n"
 
     # ---- embeddings --------------------------------------------------------------------------

@@ -1,14 +1,16 @@
-"""`rbcompile serve`: the OpenAI-compatible HTTP app (runtime/http.py) through TestClient, on
-tiny llama and bert artifacts, and the CLI's refusals (no server is started)."""
+"""`rbcompile serve`: the OpenAI-compatible HTTP app (runtime/http.py) through TestClient and the
+openai client, on tiny llama and bert artifacts, and the CLI's refusals (no server is started)."""
 import asyncio
 import base64
 import json
 import time
 
 import numpy as np
+import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from tokenizers.processors import TemplateProcessing
 
 import rbcompile
 from rbcompile.cli import main
@@ -16,11 +18,17 @@ from rbcompile.quality import mean_pool
 from rbcompile.runtime.http import ModelWorker, ServeLimits, TextStream, create_app
 
 PROMPTS = ["the a of and to in", "he she"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {{ eos_token }} {% endfor %}"
+                 "{% if add_generation_prompt %}he was{% endif %}")
+MESSAGES = [{"role": "system", "content": "the a of"}, {"role": "user", "content": "he she and"}]
 
 
 @pytest.fixture(scope="module")
 def llama(tiny_checkpoints):
-    return rbcompile.compile(tiny_checkpoints["llama"])
+    """The tiny llama, its tokenizer given a chat template (the tiny word-level one has none)."""
+    compiled = rbcompile.compile(tiny_checkpoints["llama"])
+    compiled.tokenizer.chat_template = CHAT_TEMPLATE
+    return compiled
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +53,46 @@ def greedy_texts(compiled, prompts, max_tokens, stop=None):
     return [compiled.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in result.tokens]
 
 
-def stream_texts(client, body) -> tuple[dict, list[str]]:
-    """{row: concatenated text}, and the raw event lines."""
-    response = client.post("/v1/completions", json={**body, "stream": True})
-    assert response.status_code == 200
+def greedy_chat_text(compiled, messages, max_tokens):
+    """`generate` on the chat template's tokens (transformers tokenizes them as they are)."""
+    input_ids = torch.tensor([compiled.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     return_dict=False)])
+    tokens = compiled.generate(input_ids, max_new_tokens=max_tokens).tokens[0]
+    return compiled.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def stream_events(client, path, body) -> list[dict]:
+    """The chunks of a streamed request, checked to be server-sent events ending in [DONE]."""
+    response = client.post(path, json={**body, "stream": True})
+    assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/event-stream")
     events = [block for block in response.text.split("\n\n") if block]
     assert all(event.startswith("data: ") for event in events)
     assert events[-1] == "data: [DONE]"
+    return [json.loads(event[len("data: "):]) for event in events[:-1]]
+
+
+def stream_texts(client, body) -> tuple[dict, dict]:
+    """A streamed completion's {index: concatenated text}, {index: finish_reason}."""
     texts, finish = {}, {}
-    for event in events[:-1]:
-        choice = json.loads(event[len("data: "):])["choices"][0]
+    for chunk in stream_events(client, "/v1/completions", body):
+        choice = chunk["choices"][0]
         texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
         finish[choice["index"]] = choice["finish_reason"]
     return texts, finish
+
+
+def openai_client(client: TestClient) -> openai.OpenAI:
+    """The openai client speaking to the app through `client` (an httpx.Client)."""
+    return openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", http_client=client,
+                         max_retries=0)
+
+
+def assert_refused(response, message, param):
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and "\n" not in error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
 
 
 def test_completion_is_generate_greedy(decoder_client, llama):
@@ -94,6 +128,125 @@ def test_seeded_sampling_repeats(decoder_client):
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
 
 
+def test_openai_client_completions(decoder_client, llama):
+    client = openai_client(decoder_client)
+    body = {"model": llama.manifest["source"]["name"], "prompt": PROMPTS, "max_tokens": 8, "temperature": 0}
+    completion = client.completions.create(**body)
+    assert completion.object == "text_completion"
+    assert [c.text for c in completion.choices] == greedy_texts(llama, PROMPTS, 8)
+    streamed = {}
+    for chunk in client.completions.create(**body, stream=True):
+        choice = chunk.choices[0]
+        streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {c.index: c.text for c in completion.choices}
+
+
+def test_openai_client_chat(decoder_client, llama):
+    client = openai_client(decoder_client)
+    body = {"model": llama.manifest["source"]["name"], "messages": MESSAGES, "temperature": 0}
+    chat = client.chat.completions.create(**body, max_tokens=10)
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    [choice] = chat.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.message.content == greedy_chat_text(llama, MESSAGES, 10)
+    template_tokens = llama.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                          return_dict=False)
+    assert chat.usage.prompt_tokens == len(template_tokens) == 11
+    chunks = list(client.chat.completions.create(**body, max_completion_tokens=10, stream=True))
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_chat_adds_no_second_bos(decoder_client, llama, monkeypatch):
+    """A tokenizer that adds [BOS] itself (as llama's do) adds none to the template's text."""
+    monkeypatch.setattr(llama.tokenizer.backend_tokenizer, "post_processor",
+                        TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)]))
+    assert llama.tokenizer("he")["input_ids"] == [1, 14]
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    chat = decoder_client.post("/v1/chat/completions", json=body).json()
+    assert chat["usage"]["prompt_tokens"] == 11  # [BOS] the a of [EOS] he she and [EOS] he was
+    assert chat["choices"][0]["message"]["content"] == greedy_chat_text(llama, MESSAGES, 4)
+
+
+def test_chat_stream_chunks(decoder_client):
+    chunks = stream_events(decoder_client, "/v1/chat/completions",
+                           {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "n": 2})
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    for index in (0, 1):
+        choices = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert choices[0] == {"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}
+        assert all(set(c["delta"]) == {"content"} and c["finish_reason"] is None for c in choices[1:-1])
+        assert choices[-1]["delta"] == {} and choices[-1]["finish_reason"] in ("stop", "length")
+
+
+def test_n_choices_per_prompt(decoder_client, llama):
+    body = {"prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "n": 3}
+    payload = decoder_client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in payload["choices"]] == list(range(6))  # prompt_index * n + k
+    greedy = greedy_texts(llama, PROMPTS, 6)
+    assert [c["text"] for c in payload["choices"]] == [text for text in greedy for _ in range(3)]
+    assert payload["usage"]["prompt_tokens"] == 8  # each prompt counted once
+    assert stream_texts(decoder_client, body)[0] == {c["index"]: c["text"] for c in payload["choices"]}
+    chat = decoder_client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 6,
+                                                             "temperature": 0, "n": 3}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1, 2]
+    assert {c["message"]["content"] for c in chat["choices"]} == {greedy_chat_text(llama, MESSAGES, 6)}
+
+
+def test_sampled_choices_differ_and_a_seed_repeats_them(decoder_client):
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 5}
+    first, second = ([c["message"]["content"] for c in decoder_client.post("/v1/chat/completions", json=body)
+                      .json()["choices"]] for _ in range(2))
+    assert first == second and len(set(first)) == 3
+
+
+def test_chat_fills_the_positions_left_by_default(llama):
+    client = TestClient(create_app(llama, limits=ServeLimits(max_tokens_limit=5)))
+    chat = client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0}).json()
+    assert chat["choices"][0]["message"]["content"] == greedy_chat_text(llama, MESSAGES, 5)
+
+
+def test_chat_needs_a_chat_template(decoder_client, llama, monkeypatch):
+    body, name = {"messages": MESSAGES, "max_tokens": 2}, llama.manifest["source"]["name"]
+    monkeypatch.setattr(llama.tokenizer, "chat_template", None)
+    assert_refused(decoder_client.post("/v1/chat/completions", json=body),
+                   f"model '{name}' has no chat template: use /v1/completions", None)
+    monkeypatch.setattr(llama.tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
+    assert_refused(decoder_client.post("/v1/chat/completions", json=body),
+                   "the chat template refused the messages: roles must alternate", "messages")
+
+
+@pytest.mark.parametrize("body, message, param", [
+    ({"messages": MESSAGES, "logit_bias": {}}, "unknown field 'logit_bias'", "logit_bias"),
+    ({"messages": MESSAGES, "prompt": "the"}, "unknown field 'prompt'", "prompt"),
+    ({"messages": []}, "'messages' is an empty list", "messages"),
+    ({"messages": [{"role": "tool", "content": "the"}]}, "'system', 'user' or 'assistant'",
+     "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "the", "name": "he"}]}, "unknown field 'messages.0.name'",
+     "messages.0.name"),
+    ({"messages": MESSAGES, "max_tokens": 4, "max_completion_tokens": 4}, "not both", "max_tokens"),
+    ({"messages": MESSAGES, "max_completion_tokens": 41},
+     "max_completion_tokens=41 is over this server's limit", "max_completion_tokens"),
+    ({"messages": MESSAGES, "n": 9}, "n=9 is over this server's limit of 8", "n"),
+    ({"messages": MESSAGES, "rbcompile": {"budget": 2}}, "less than or equal to 1", "rbcompile.budget"),
+])
+def test_bad_chat_requests(decoder_client, body, message, param):
+    assert_refused(decoder_client.post("/v1/chat/completions", json=body), message, param)
+
+
+def test_openai_client_embeddings_and_models(encoder_client, bert):
+    client = openai_client(encoder_client)
+    name, texts = bert.manifest["source"]["name"], ["the a of", "he she was in the"]
+    embeddings = client.embeddings.create(model=name, input=texts)  # the client asks for base64
+    expected = encoder_client.post("/v1/embeddings", json={"input": texts}).json()["data"]
+    assert np.allclose([row.embedding for row in embeddings.data], [row["embedding"] for row in expected],
+                       atol=1e-6)
+    assert [model.id for model in client.models.list()] == [name]
+
+
 def test_embeddings_are_unit_mean_pooled(encoder_client, bert):
     texts = ["the a of", "he she was in the"]
     payload = encoder_client.post("/v1/embeddings", json={"input": texts}).json()
@@ -116,10 +269,12 @@ def test_models_health_metrics(decoder_client, llama):
     assert decoder_client.get("/health").json() == {"status": "ok"}
     decoder_client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "stream": True,
                                                  "temperature": 0})
-    decoder_client.post("/v1/completions", json={"prompt": PROMPTS[0], "n": 2})
+    decoder_client.post("/v1/completions", json={"prompt": PROMPTS[0], "n": 99})
+    decoder_client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
     text = decoder_client.get("/metrics").text
     for line in ('rbcompile_requests_total{endpoint="/v1/completions",status="200"}',
                  'rbcompile_requests_total{endpoint="/v1/completions",status="400"}',
+                 'rbcompile_requests_total{endpoint="/v1/chat/completions",status="200"}',
                  'rbcompile_request_seconds_count{endpoint="/v1/completions"}',
                  "rbcompile_time_to_first_token_seconds_count", "rbcompile_generated_tokens_total",
                  "rbcompile_tokens_per_second", "rbcompile_speculative_drafted_tokens_total",
@@ -132,7 +287,8 @@ def test_models_health_metrics(decoder_client, llama):
 @pytest.mark.parametrize("body, message, param", [
     ({"prompt": "the", "logit_bias": {}}, "unknown field 'logit_bias'", "logit_bias"),
     ({"prompt": "the", "rbcompile": {"qos": "batch"}}, "unknown field 'rbcompile.qos'", "rbcompile.qos"),
-    ({"prompt": "the", "n": 2}, "n=2 is not supported yet", "n"),
+    ({"prompt": "the", "n": 9}, "n=9 is over this server's limit of 8", "n"),
+    ({"prompt": "the", "n": 0}, "greater than or equal to 1", "n"),
     ({"prompt": "the", "max_tokens": "many"}, "valid integer", "max_tokens"),
     ({"prompt": 7}, "valid string or", "prompt"),
     ({"prompt": "the", "max_tokens": 41}, "over this server's limit of 40", "max_tokens"),
@@ -144,11 +300,7 @@ def test_models_health_metrics(decoder_client, llama):
     ({"prompt": "the", "stop": [""]}, "stop strings must not be empty", None),
 ])
 def test_bad_completion_requests(decoder_client, body, message, param):
-    response = decoder_client.post("/v1/completions", json=body)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert message in error["message"] and "\n" not in error["message"]
-    assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] is None
+    assert_refused(decoder_client.post("/v1/completions", json=body), message, param)
 
 
 def test_malformed_json_and_wrong_family(decoder_client, encoder_client):
@@ -160,6 +312,8 @@ def test_malformed_json_and_wrong_family(decoder_client, encoder_client):
     assert "serves encoder artifacts, not decoders: use /v1/completions" in response.json()["error"]["message"]
     response = encoder_client.post("/v1/completions", json={"prompt": "the"})
     assert response.status_code == 400
+    assert "serves decoder artifacts, not encoders: use /v1/embeddings" in response.json()["error"]["message"]
+    response = encoder_client.post("/v1/chat/completions", json={"messages": MESSAGES})
     assert "serves decoder artifacts, not encoders: use /v1/embeddings" in response.json()["error"]["message"]
 
 
