@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from functools import partial
 
 from .errors import check_unicode, first_line
 
@@ -178,7 +179,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("serve", help="serve an artifact over HTTP, OpenAI-compatible: "
-                       "/v1/completions (decoders), /v1/embeddings (encoders), /metrics")
+                       "/v1/completions and /v1/chat/completions (decoders, continuously "
+                       "batched), /v1/embeddings (encoders), /metrics")
     p.add_argument("artifact")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; "
                    "any other than loopback needs --api-key-env)")
@@ -189,6 +191,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="largest request body (default 1048576)")
     p.add_argument("--max-tokens-limit", type=int, default=1024,
                    help="largest max_tokens a completion may ask for (default 1024)")
+    p.add_argument("--max-batch", type=int, default=16, help="decoders: most completions decoded "
+                   "together, continuously batched (default 16; 1: one after another)")
 
     p = sub.add_parser("verify", help="check an artifact without running it: every file's "
                        "sha256, the manifest's schema, the generated code and the weights")
@@ -466,8 +470,8 @@ def _cmd_serve(args) -> None:
     api_key = _serve_api_key(args)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0-65535, got {args.port}")
-    if args.max_body_bytes < 1 or args.max_tokens_limit < 1:
-        raise UserError("--max-body-bytes and --max-tokens-limit must be >= 1")
+    if args.max_body_bytes < 1 or args.max_tokens_limit < 1 or args.max_batch < 1:
+        raise UserError("--max-body-bytes, --max-tokens-limit and --max-batch must be >= 1")
     try:
         import uvicorn
         from rbcompile.runtime.http import ServeLimits, create_app
@@ -476,10 +480,25 @@ def _cmd_serve(args) -> None:
                         "pip install 'rbcompile[serve]'") from None
     model = rbcompile.load(args.artifact)
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
-    app = create_app(model, api_key=api_key, limits=limits)
+    app = create_app(model, api_key=api_key, limits=limits, max_batch=args.max_batch)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    _serve_until_signalled(partial(uvicorn.run, app, host=args.host, port=args.port, log_level="info"))
+
+
+def _serve_until_signalled(serve) -> None:
+    """Run `serve` (uvicorn, which drains on SIGINT / SIGTERM: no new connections, open
+    requests finished, then the app's shutdown) and end normally after a drain: uvicorn
+    replays the signal it caught to the handlers it found, here ones that only note it."""
+    noted = []
+    held = ({signum: signal.signal(signum, lambda number, frame: noted.append(number))
+             for signum in (signal.SIGINT, signal.SIGTERM)}
+            if threading.current_thread() is threading.main_thread() else {})
+    try:
+        serve()
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
 
 
 def _serve_api_key(args) -> str | None:

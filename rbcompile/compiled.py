@@ -261,8 +261,9 @@ class CompiledModel:
         budget = None if budget is None else check_budget(budget)
         return self.decoder.gates_from(self.regions, self.gates_for_budget(budget)) if budget else None
 
-    def batch_engine(self, max_batch: int = 16):
-        """A continuous-batching engine on the decoder (rbcompile/engine.py), for serving."""
+    def batch_engine(self, max_batch: int = 16, **options):
+        """A continuous-batching engine on the decoder (rbcompile/engine.py), for serving;
+        `options` are BatchEngine's."""
         from .engine import BatchEngine
 
         if self.decoder is None:
@@ -271,7 +272,7 @@ class CompiledModel:
         decode = self.tokenizer.decode if self.tokenizer_dir is not None else None
         return BatchEngine(self.decoder, self.decoder.shape, gates_for_budget=self.decoder_gates,
                            eos_token_ids=() if eos is None else eos, decode=decode,
-                           max_batch=max_batch)
+                           max_batch=max_batch, **options)
 
     def skipped_share(self, gates, widths=None) -> float:
         """Fraction of prunable FLOPs not computed under these gates and widths."""

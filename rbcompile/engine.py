@@ -5,8 +5,8 @@ Calls go one way. `BatchEngine.step()` admits waiting requests (a batch-1 prefil
 written straight into the `BatchKVCache` row the request will decode in; its first token comes
 from that prefill), runs one decode step over every running row, hands each row its token, and
 lets finished or cancelled rows leave. Any thread may `submit` / `cancel`; one thread (the
-server's model worker) calls `step`, or `run` to step whenever there is work. A row's tokens
-are those it would get alone: rows share only the step, never each other's keys (each row's
+server's model thread) calls `step` while `has_work`, and waits on `wake` otherwise. A row's
+tokens are those it would get alone: rows share only the step, never each other's keys (each row's
 mask starts at its own pad). Every forward (prefill or decode step) runs the plan of the
 smallest budget among the rows in the batch at that moment (budgets are skipped-compute
 shares, so no request gets less compute than it asked for; rows of one budget get exactly
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .errors import UserError
-from .generation import RowTokens, StopCriteria, check_lengths
+from .generation import RowTokens, StopCriteria, check_lengths, check_stop
 from .kv_cache import BatchKVCache, DecoderShape
 from .sampling import SamplingConfig
 
@@ -70,7 +70,7 @@ class BatchEngine:
 
     def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
                  eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
-                 block: int = 64):
+                 block: int = 64, wake: threading.Condition | None = None):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
@@ -82,7 +82,7 @@ class BatchEngine:
         self.criteria: dict[EngineRequest, StopCriteria] = {}
         self.generators: dict[EngineRequest, torch.Generator | None] = {}
         self.stats = EngineStats()
-        self.wake = threading.Condition()
+        self.wake = wake or threading.Condition()   # notified on submit and cancel
 
     # ---- any thread ----------------------------------------------------------------------
 
@@ -91,8 +91,7 @@ class BatchEngine:
         if not request.prompt:
             raise UserError("the prompt is empty (0 tokens)")
         check_lengths(len(request.prompt), request.max_new_tokens, self.shape.max_positions, None)
-        if request.stop and self.decode is None:
-            raise UserError("stop strings need a decode function (token ids -> text)")
+        check_stop(request.stop, self.decode)
         self.criteria[request] = StopCriteria(request.max_new_tokens, self.eos, list(request.stop),
                                               self.decode)
         self.generators[request] = request.sampling.generator(self.shape.device)
@@ -111,19 +110,11 @@ class BatchEngine:
     def queued(self) -> int:
         return len(self.waiting)
 
-    # ---- the engine's thread ---------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
 
-    def run(self, stop: threading.Event, on_error: Callable[[BaseException], None] | None = None) -> None:
-        """Step while there is work, sleep while there is none, until `stop` is set."""
-        while not stop.is_set():
-            with self.wake:
-                while not (self.waiting or self.running or stop.is_set()):
-                    self.wake.wait(0.5)
-            try:
-                self.step()
-            except Exception as exc:  # the requests it hit are finished with the error
-                if on_error is not None:
-                    on_error(exc)
+    # ---- the engine's thread ---------------------------------------------------------------
 
     def step(self) -> bool:
         """Admit waiting requests, then one decode step for every running row. False when

@@ -392,10 +392,7 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
     prompt_ids, pads = _check_prompts(input_ids, attention_mask)
     max_len = check_lengths(prompt_ids.shape[1], max_new_tokens, shape.max_positions, max_len)
     _check_speculation(speculate, draft_step, draft_tokens)
-    if stop and decode is None:
-        raise UserError("stop strings need a decode function (token ids -> text)")
-    if any(not s for s in stop or ()):
-        raise UserError("stop strings must not be empty")
+    check_stop(stop, decode)
     eos_token_ids = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
 
     stats = GenerationStats()
@@ -443,6 +440,14 @@ def _check_prompts(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tenso
     if not torch.equal(mask, (torch.arange(input_ids.shape[1])[None] >= pads[:, None]).long()):
         raise UserError("attention_mask must be left padding: per row, 0s then 1s")
     return input_ids, pads
+
+
+def check_stop(stop: list[str] | None, decode: Callable | None) -> None:
+    """Stop strings need a decode function, and none may be empty."""
+    if stop and decode is None:
+        raise UserError("stop strings need a decode function (token ids -> text)")
+    if any(not s for s in stop or ()):
+        raise UserError("stop strings must not be empty")
 
 
 def check_lengths(prompt_length: int, max_new_tokens: int, max_positions: int, max_len) -> int:

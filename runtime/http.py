@@ -25,10 +25,12 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, Protocol
+from typing import Callable, Literal, Protocol
 
 import torch
 from fastapi import FastAPI
@@ -39,8 +41,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from rbcompile.engine import EngineRequest
 from rbcompile.errors import UserError, first_line
 from rbcompile.generation import SPECULATE_MODES
+from rbcompile.sampling import SamplingConfig
 from rbcompile.quality import mean_pool
 
 log = logging.getLogger("rbcompile.serve")
@@ -159,12 +163,20 @@ class Metrics:
         self.drafted = Counter("rbcompile_speculative_drafted_tokens", "Draft tokens verified", registry=r)
         self.accepted = Counter("rbcompile_speculative_accepted_tokens", "Draft tokens kept", registry=r)
         self.in_flight = Gauge("rbcompile_requests_in_flight", "Requests being served", registry=r)
+        self.batch_rows = Gauge("rbcompile_batch_rows", "Rows in the running decode batch", registry=r)
+        self.queued = Gauge("rbcompile_queued_requests", "Completions waiting for a batch row", registry=r)
 
-    def record_generation(self, stats) -> None:
-        self.tokens.inc(stats.new_tokens)
-        self.tokens_per_second.set(stats.tokens_per_second)
-        self.drafted.inc(stats.drafted)
-        self.accepted.inc(stats.accepted)
+    def record_generation(self, tokens: int, seconds: float, drafted: int = 0, accepted: int = 0) -> None:
+        self.tokens.inc(tokens)
+        if seconds > 0:
+            self.tokens_per_second.set(tokens / seconds)
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
+
+    def watch(self, engine) -> None:
+        """Batch and queue gauges read from `engine` at each scrape."""
+        self.batch_rows.set_function(lambda: len(engine.running))
+        self.queued.set_function(lambda: engine.queued)
 
 
 class Gatekeeper:
@@ -241,39 +253,64 @@ class Gatekeeper:
 # ---- the model's worker ------------------------------------------------------------------------
 
 class ModelWorker:
-    """One thread runs the model, so requests go through it one at a time (continuous batching
-    is the next slice of issue 16) and the event loop never waits on it."""
+    """The one thread that runs the model: the continuous-batching engine's steps (decoders)
+    and, between them, other work (embeddings; speculative `generate`, one token per job), so
+    the event loop never waits on the model and nothing runs it twice at once."""
 
     def __init__(self):
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="rbcompile-model")
+        self.wake = threading.Condition()
+        self.jobs: deque[Callable[[], None]] = deque()
+        self.engine = None   # set by create_app for decoders, built with `wake`
+        self.closed = False
+        self.thread = threading.Thread(target=self._loop, name="rbcompile-model", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        """Stop after the jobs queued so far."""
+        with self.wake:
+            self.closed = True
+            self.wake.notify()
 
     async def call(self, fn, *args, **kwargs):
-        return await asyncio.wrap_future(self.executor.submit(partial(fn, *args, **kwargs)))
+        """`fn(*args, **kwargs)` on the model thread, between engine steps."""
+        future = Future()
+
+        def job():
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        with self.wake:
+            if self.closed:
+                raise ApiError(503, "the server is shutting down")
+            self.jobs.append(job)
+            self.wake.notify()
+        return await asyncio.wrap_future(future)
 
     async def iterate(self, events):
-        """Yield `events`' items, advanced on the worker; the async caller stopping (a client
-        gone) stops the worker at the next item."""
-        loop, queue, stopped = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        """Yield `events`' items, each advanced by its own job; the async caller stopping (a
+        client gone) stops advancing it."""
+        iterator, end = iter(events), object()
+        while (item := await self.call(next, iterator, end)) is not end:
+            yield item
 
-        def produce():
-            try:
-                for event in events:
-                    if stopped.is_set():
-                        return
-                    loop.call_soon_threadsafe(queue.put_nowait, ("event", event))
-                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
-            except Exception as exc:  # handed to the request; a closed loop ends here quietly
-                if not stopped.is_set():
-                    loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
-
-        self.executor.submit(produce)
-        try:
-            while (item := await queue.get())[0] == "event":
-                yield item[1]
-            if item[0] == "error":
-                raise item[1]
-        finally:
-            stopped.set()
+    def _loop(self) -> None:
+        while True:
+            with self.wake:
+                while not (self.jobs or self.closed or (self.engine and self.engine.has_work)):
+                    self.wake.wait()
+                if self.closed and not self.jobs:
+                    return
+                job = self.jobs.popleft() if self.jobs else None
+            if job is not None:
+                job()
+            if self.engine is not None and self.engine.has_work:
+                try:
+                    self.engine.step()
+                except Exception:  # the engine has ended the requests it hit with the error
+                    log.exception("a batch step failed")
 
 
 # ---- text ------------------------------------------------------------------------------------
@@ -379,11 +416,23 @@ COMPLETION, CHAT = CompletionFormat(), ChatFormat()
 
 # ---- the app -----------------------------------------------------------------------------------
 
-def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits()) -> FastAPI:
+def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits(),
+               max_batch: int = 16) -> FastAPI:
     """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer). With `api_key`,
-    every path but /health needs `Authorization: Bearer <api_key>`."""
-    app = FastAPI(title="rbcompile", docs_url=None, redoc_url=None, openapi_url=None)
+    every path but /health needs `Authorization: Bearer <api_key>`. Decoders' completions are
+    continuously batched, at most `max_batch` rows at a time (1: one after another)."""
     metrics, worker = Metrics(), ModelWorker()
+    if compiled.family == "decoder":
+        worker.engine = compiled.batch_engine(max_batch, wake=worker.wake)
+        metrics.watch(worker.engine)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.close()  # uvicorn has waited for the open requests: nothing is left running
+
+    app = FastAPI(title="rbcompile", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.engine = worker.engine
     service = _Service(compiled, limits, metrics, worker)
     _add_error_handlers(app)
 
@@ -536,36 +585,88 @@ class _Service:
         return await self._respond(body, batch, CHAT)
 
     async def _respond(self, body: CompletionRequest | ChatCompletionRequest, batch, fmt: ChoiceFormat):
-        """Generate `body.n` choices per row of `batch` (choice `row * n + k`) in one batch:
-        the response, or with `stream` its server-sent events."""
+        """Generate `body.n` choices per row of `batch` (choice `row * n + k`): the response, or
+        with `stream` its server-sent events."""
         if body.n > self.limits.max_n:
             raise ApiError(400, f"n={body.n} is over this server's limit of {self.limits.max_n}", "n")
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         max_tokens = self._max_new_tokens(*body.asked_tokens(), batch["input_ids"].shape[1])
         prompt_tokens = int(batch["attention_mask"].sum())
-        generate = partial(
+        choices = len(batch["input_ids"]) * body.n
+        header = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}",
+                  "object": fmt.chunk_object if body.stream else fmt.object,
+                  "created": int(time.time()), "model": self.name}
+        if body.rbcompile.speculate == "off":
+            run = self._batched(body, batch, stop, max_tokens)
+        else:
+            run = await self._generated(body, batch, stop, max_tokens)
+        if body.stream:
+            return StreamingResponse(self._sse(run, header, fmt, choices, stop, max_tokens),
+                                     media_type="text/event-stream")
+        tokens = [[] for _ in range(choices)]
+        async for index, token in run.events:
+            tokens[index].append(token)
+        run.record(self.metrics)
+        completion_tokens = sum(len(row) for row in tokens)
+        return {**header,
+                "choices": [fmt.choice(index, *self._ending(row, stop, max_tokens))
+                            for index, row in enumerate(tokens)],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    def _batched(self, body, batch, stop: list[str], max_tokens: int) -> "_TokenRun":
+        """The choices as requests of the continuous-batching engine; choice i samples with
+        seed `seed + i` (its own generator: the same prompt, seed and choice index give the
+        same text whatever else is in the batch)."""
+        engine, loop, queue = self.worker.engine, asyncio.get_running_loop(), asyncio.Queue()
+        prompts = [row[mask.bool()].tolist() for row, mask in
+                   zip(batch["input_ids"], batch["attention_mask"]) for _ in range(body.n)]
+        requests = []
+        try:
+            for index, prompt in enumerate(prompts):
+                sampling = SamplingConfig(body.temperature > 0, body.temperature or 1.0, None,
+                                          body.top_p if body.top_p < 1 else None,
+                                          None if body.seed is None else body.seed + index)
+                requests.append(engine.submit(EngineRequest(
+                    prompt, max_tokens, sampling, stop, body.rbcompile.budget,
+                    on_token=partial(_deliver, loop, queue, index),
+                    on_finish=lambda request, index=index: _deliver(loop, queue, index, None))))
+        except Exception:
+            for request in requests:
+                engine.cancel(request)
+            raise
+        return _TokenRun(self._engine_events(requests, queue))
+
+    async def _engine_events(self, requests: list[EngineRequest], queue: asyncio.Queue):
+        """(choice, token) as the engine emits them; stopping early (a client gone) cancels
+        the requests not finished, which frees their rows."""
+        unfinished = len(requests)
+        try:
+            while unfinished:
+                index, token = await queue.get()
+                if token is not None:
+                    yield index, token
+                    continue
+                unfinished -= 1
+                if requests[index].error is not None:
+                    raise requests[index].error
+        finally:
+            for request in requests:
+                if request.finish_reason is None:
+                    self.worker.engine.cancel(request)
+
+    async def _generated(self, body, batch, stop: list[str], max_tokens: int) -> "_TokenRun":
+        """The choices through speculative `generate` as one batch on the model thread (the
+        engine's batch steps emit one token per row); `seed` seeds the one generator the batch
+        draws from."""
+        events = await self.worker.call(
             self.compiled.generate, batch["input_ids"].repeat_interleave(body.n, 0),
             batch["attention_mask"].repeat_interleave(body.n, 0),
             max_new_tokens=max_tokens, do_sample=body.temperature > 0,
             temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
             seed=body.seed, stop=stop or None, budget=body.rbcompile.budget,
-            speculate=body.rbcompile.speculate)
-        header = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}",
-                  "object": fmt.chunk_object if body.stream else fmt.object,
-                  "created": int(time.time()), "model": self.name}
-        if body.stream:
-            events = await self.worker.call(generate, stream=True)  # checks, before the 200
-            choices = len(batch["input_ids"]) * body.n
-            return StreamingResponse(self._sse(events, header, fmt, choices, stop, max_tokens),
-                                     media_type="text/event-stream")
-        result = await self.worker.call(generate)
-        self.metrics.record_generation(result.stats)
-        choices = [fmt.choice(index, *self._ending(tokens, stop, max_tokens))
-                   for index, tokens in enumerate(result.tokens)]
-        completion_tokens = sum(len(tokens) for tokens in result.tokens)
-        return {**header, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+            speculate=body.rbcompile.speculate, stream=True)   # checks, before the 200
+        return _TokenRun(self.worker.iterate(events), events)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -576,23 +677,22 @@ class _Service:
         ended = stopped or (tokens and tokens[-1] in self.eos) or len(tokens) < max_tokens
         return text, "stop" if ended else "length"
 
-    async def _sse(self, events, header: dict, fmt: ChoiceFormat, choices: int, stop: list[str],
+    async def _sse(self, run: "_TokenRun", header: dict, fmt: ChoiceFormat, choices: int, stop: list[str],
                    max_tokens: int):
         """Server-sent events: the chunks opening each choice, a chunk per token with the text
         it adds, the chunks ending each choice with its finish_reason, then [DONE]."""
         def chunk(choice: dict) -> str:
             return f"data: {_json({**header, 'choices': [choice]})}\n\n"
 
-        started = time.perf_counter()
         for index in range(choices):
             for choice in fmt.opening(index):
                 yield chunk(choice)
         streams = [TextStream(self._decode, stop) for _ in range(choices)]
         first = True
         try:
-            async for row, token in self.worker.iterate(events):
+            async for row, token in run.events:
                 if first:
-                    self.metrics.ttft.observe(time.perf_counter() - started)
+                    self.metrics.ttft.observe(time.perf_counter() - run.started)
                     first = False
                 if delta := streams[row].add(token):
                     yield chunk(fmt.delta(row, delta))
@@ -600,8 +700,7 @@ class _Service:
             log.exception("generation failed mid-stream")
             yield f"data: {_json(error_body(first_line(exc), kind='server_error'))}\n\n"
             return
-        result = events.result()
-        self.metrics.record_generation(result.stats)
+        run.record(self.metrics)
         for row, stream in enumerate(streams):
             rest = stream.finish()
             for choice in fmt.ending(row, rest, self._ending(stream.tokens, stop, max_tokens)[1]):
@@ -624,6 +723,34 @@ class _Service:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+
+
+class _TokenRun:
+    """A generation's (choice, token) events, and its counters for the metrics once they end
+    (`scheduler`: the speculative `generate`'s, for drafted / accepted)."""
+
+    def __init__(self, events, scheduler=None):
+        self.scheduler, self.started, self.tokens = scheduler, time.perf_counter(), 0
+        self.events = self._counted(events)
+
+    async def _counted(self, events):
+        async for event in events:
+            self.tokens += 1
+            yield event
+
+    def record(self, metrics: Metrics) -> None:
+        stats = self.scheduler.result().stats if self.scheduler is not None else None
+        metrics.record_generation(self.tokens, time.perf_counter() - self.started,
+                                  stats.drafted if stats else 0, stats.accepted if stats else 0)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, token: int | None) -> None:
+    """Hand an engine event to the request's queue from the model thread (dropped when the
+    loop is gone: nobody is listening)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, (index, token))
+    except RuntimeError:
+        pass
 
 
 def _encoded(vector: torch.Tensor, encoding_format: str):

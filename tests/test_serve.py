@@ -3,6 +3,7 @@ openai client, on tiny llama and bert artifacts, and the CLI's refusals (no serv
 import asyncio
 import base64
 import json
+import signal
 import time
 
 import numpy as np
@@ -388,3 +389,102 @@ def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
     client = TestClient(served["app"])
     assert client.get("/v1/models").status_code == 401
     assert client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).status_code == 200
+
+
+def test_concurrent_completions_share_batch_steps_and_keep_their_tokens(llama):
+    """Six completions at once (ASGI, concurrently): the engine decodes them together, and
+    each text is generate's on that prompt alone."""
+    import httpx
+
+    app = create_app(llama, max_batch=4)
+    prompts = ["the a of", "he she and to", "in the", "of and to in he", "she", "a the of and"]
+
+    async def post_all():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 12, "temperature": 0}) for prompt in prompts))
+
+    texts = [response.json()["choices"][0]["text"] for response in asyncio.run(post_all())]
+    assert texts == [greedy_texts(llama, [prompt], 12)[0] for prompt in prompts]
+    stats = app.state.engine.stats
+    assert stats.prefills == len(prompts) and stats.decode_rows > stats.decode_steps
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(llama):
+    app = create_app(llama)
+    engine = app.state.engine
+    submitted = []
+    submit = engine.submit
+    engine.submit = lambda request: submitted.append(request) or submit(request)
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 50, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("test", 80),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+
+    async def read_one_chunk_then_leave():
+        first_token, asked = asyncio.Event(), False
+
+        async def receive():
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await first_token.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and b'"text"' in message.get("body", b""):
+                first_token.set()
+
+        await app(scope, receive, send)
+
+    asyncio.run(read_one_chunk_then_leave())
+    deadline = time.monotonic() + 10
+    while submitted[0].finish_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert submitted[0].finish_reason == "cancelled" and len(submitted[0].tokens) < 50
+    assert not engine.running
+
+
+def test_sigterm_drains_the_requests_in_flight_and_exits_0(llama, tmp_path):
+    """`rbcompile serve` in a process: SIGTERM while a stream is open lets that stream finish
+    ([DONE]), refuses new connections, and the server exits 0."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    artifact = llama.save(tmp_path / "artifact")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "rbcompile.cli", "serve", str(artifact),
+                                "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+                time.sleep(0.2)
+        body = {"prompt": PROMPTS[0], "max_tokens": 50, "stream": True, "temperature": 0}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            events = [next(line for line in lines if line.startswith("data: "))]
+            process.send_signal(signal.SIGTERM)
+            events += [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in events[:-1])
+        assert text == greedy_texts(llama, [PROMPTS[0]], 50)[0]
+        assert process.wait(60) == 0, process.stderr.read()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{base}/health")
+    finally:
+        process.kill()
