@@ -193,6 +193,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="largest max_tokens a completion may ask for (default 1024)")
     p.add_argument("--max-batch", type=int, default=16, help="decoders: most completions decoded "
                    "together, continuously batched (default 16; 1: one after another)")
+    p.add_argument("--prefix-cache-mb", type=float, default=256, help="decoders: MiB of prompt-"
+                   "prefix K/V blocks kept for reuse across requests (default 256; 0: off)")
 
     p = sub.add_parser("verify", help="check an artifact without running it: every file's "
                        "sha256, the manifest's schema, the generated code and the weights")
@@ -472,6 +474,8 @@ def _cmd_serve(args) -> None:
         raise UserError(f"--port must be in 0-65535, got {args.port}")
     if args.max_body_bytes < 1 or args.max_tokens_limit < 1 or args.max_batch < 1:
         raise UserError("--max-body-bytes, --max-tokens-limit and --max-batch must be >= 1")
+    if not args.prefix_cache_mb >= 0:
+        raise UserError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     try:
         import uvicorn
         from rbcompile.runtime.http import ServeLimits, create_app
@@ -480,7 +484,8 @@ def _cmd_serve(args) -> None:
                         "pip install 'rbcompile[serve]'") from None
     model = rbcompile.load(args.artifact)
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
-    app = create_app(model, api_key=api_key, limits=limits, max_batch=args.max_batch)
+    app = create_app(model, api_key=api_key, limits=limits, max_batch=args.max_batch,
+                     prefix_cache_mb=args.prefix_cache_mb)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     _serve_until_signalled(partial(uvicorn.run, app, host=args.host, port=args.port, log_level="info"))

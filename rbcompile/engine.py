@@ -2,8 +2,8 @@
 every decode step (as vLLM and TGI do), each with its own sampling, stop conditions and budget.
 
 Calls go one way. `BatchEngine.step()` admits waiting requests (a batch-1 prefill each,
-written straight into the `BatchKVCache` row the request will decode in; its first token comes
-from that prefill), runs one decode step over every running row, hands each row its token, and
+written straight into the `BatchKVCache` row the request will decode in, after the blocks of
+its prompt the `PrefixCache` holds are copied there; its first token comes from that prefill), runs one decode step over every running row, hands each row its token, and
 lets finished or cancelled rows leave. Any thread may `submit` / `cancel`; one thread (the
 server's model thread) calls `step` while `has_work`, and waits on `wake` otherwise. A row's
 tokens are those it would get alone: rows share only the step, never each other's keys (each row's
@@ -26,6 +26,7 @@ import torch
 from .errors import UserError
 from .generation import RowTokens, StopCriteria, check_lengths, check_stop
 from .kv_cache import BatchKVCache, DecoderShape
+from .prefix_cache import PrefixCache
 from .sampling import SamplingConfig
 
 
@@ -57,6 +58,7 @@ class EngineRequest:
 class EngineStats:
     """Counters since the engine started."""
     prefills: int = 0
+    reused_prompt_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache
     decode_steps: int = 0
     decode_rows: int = 0       # rows summed over decode steps (mean batch = rows / steps)
     tokens: int = 0
@@ -70,12 +72,13 @@ class BatchEngine:
 
     def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
                  eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
-                 block: int = 64, wake: threading.Condition | None = None):
+                 block: int = 64, wake: threading.Condition | None = None,
+                 prefix_cache: PrefixCache | None = None):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
-        self.decode, self.max_batch = decode, max_batch
+        self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
         self.cache = BatchKVCache(shape, max_batch, block)
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []        # running[i] decodes in cache row i
@@ -137,20 +140,32 @@ class BatchEngine:
             if request.cancelled:
                 self._finish(request, "cancelled")
                 continue
-            prompt = torch.tensor([request.prompt], device=self.shape.device)
-            count = prompt.shape[1]
-            row = self.cache.place(count)
-            rows = slice(row, row + 1)
-            slots = torch.arange(self.cache.length - count, self.cache.length, device=self.shape.device)
-            self.running.append(request)   # before the step: a failing prefill fails it too
-            logits = self.step_fn(prompt, self.cache.attention_mask(rows),
-                                  torch.arange(count, device=self.shape.device)[None], slots,
-                                  torch.tensor([count - 1], device=self.shape.device),
-                                  self.cache.views(rows), gates=self._batch_gates())
-            self.cache.join()
-            self.stats.prefills += 1
-            self._emit(request, int(request.sampling.choose(logits[:, -1], self.generators[request])))
+            self.running.append(request)   # before the prefill: a failing one fails it too
+            self._prefill(request)
         self._leave_finished()
+
+    def _prefill(self, request: EngineRequest) -> None:
+        """Write the prompt's K/V into a new row (cached prefix blocks copied, the rest run)
+        and emit the first token."""
+        device, count, gates = self.shape.device, len(request.prompt), self._batch_gates()
+        blocks = self.prefix_cache.lookup(request.prompt, gates) if self.prefix_cache else []
+        reused = len(blocks) * (self.prefix_cache.block_tokens if blocks else 0)
+        row = self.cache.place(count)
+        rows = slice(row, row + 1)
+        self.cache.write_prompt(row, [block.tensors for block in blocks])
+        end = self.cache.length
+        logits = self.step_fn(torch.tensor([request.prompt[reused:]], device=device),
+                              self.cache.attention_mask(rows),
+                              torch.arange(reused, count, device=device)[None],
+                              torch.arange(end - count + reused, end, device=device),
+                              torch.tensor([count - reused - 1], device=device),
+                              self.cache.views(rows), gates=gates)
+        self.cache.join()
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(request.prompt, gates, self.cache.prompt_kv(row, count))
+        self.stats.prefills += 1
+        self.stats.reused_prompt_tokens += reused
+        self._emit(request, int(request.sampling.choose(logits[:, -1], self.generators[request])))
 
     def _decode(self) -> None:
         cache, device = self.cache, self.shape.device

@@ -131,6 +131,21 @@ class BatchKVCache:
         self.pads[self.active] = self.length - prompt_tokens
         return self.active
 
+    def write_prompt(self, row: int, blocks: list[list[torch.Tensor]]) -> None:
+        """Copy K/V blocks (per cache tensor [kv heads, block, head dim]) into row `row`'s first
+        prompt slots, from its pad on (after `place`)."""
+        start = int(self.pads[row])
+        for block in blocks:
+            width = block[0].shape[1]
+            for tensor, part in zip(self.tensors, block, strict=True):
+                tensor[row, :, start:start + width].copy_(part)
+            start += width
+
+    def prompt_kv(self, row: int, tokens: int) -> list[torch.Tensor]:
+        """Views of row `row`'s first `tokens` prompt slots ([kv heads, tokens, head dim] each)."""
+        start = int(self.pads[row])
+        return [tensor[row, :, start:start + tokens] for tensor in self.tensors]
+
     def join(self) -> None:
         """Row `active` (filled by a prefill after `place`) joins the batch."""
         self.active += 1

@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException
 from rbcompile.engine import EngineRequest
 from rbcompile.errors import UserError, first_line
 from rbcompile.generation import SPECULATE_MODES
+from rbcompile.prefix_cache import PrefixCache
 from rbcompile.sampling import SamplingConfig
 from rbcompile.quality import mean_pool
 
@@ -165,6 +166,9 @@ class Metrics:
         self.in_flight = Gauge("rbcompile_requests_in_flight", "Requests being served", registry=r)
         self.batch_rows = Gauge("rbcompile_batch_rows", "Rows in the running decode batch", registry=r)
         self.queued = Gauge("rbcompile_queued_requests", "Completions waiting for a batch row", registry=r)
+        self.prefix_hit_rate = Gauge("rbcompile_prefix_cache_hit_rate",
+                                     "Share of prompt tokens whose K/V came from the prefix cache", registry=r)
+        self.prefix_bytes = Gauge("rbcompile_prefix_cache_bytes", "K/V bytes the prefix cache holds", registry=r)
 
     def record_generation(self, tokens: int, seconds: float, drafted: int = 0, accepted: int = 0) -> None:
         self.tokens.inc(tokens)
@@ -177,6 +181,9 @@ class Metrics:
         """Batch and queue gauges read from `engine` at each scrape."""
         self.batch_rows.set_function(lambda: len(engine.running))
         self.queued.set_function(lambda: engine.queued)
+        if engine.prefix_cache is not None:
+            self.prefix_hit_rate.set_function(lambda: engine.prefix_cache.stats.hit_rate)
+            self.prefix_bytes.set_function(lambda: engine.prefix_cache.nbytes)
 
 
 class Gatekeeper:
@@ -417,13 +424,15 @@ COMPLETION, CHAT = CompletionFormat(), ChatFormat()
 # ---- the app -----------------------------------------------------------------------------------
 
 def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits(),
-               max_batch: int = 16) -> FastAPI:
+               max_batch: int = 16, prefix_cache_mb: float = 256) -> FastAPI:
     """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer). With `api_key`,
     every path but /health needs `Authorization: Bearer <api_key>`. Decoders' completions are
-    continuously batched, at most `max_batch` rows at a time (1: one after another)."""
+    continuously batched, at most `max_batch` rows at a time (1: one after another), with a
+    prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none)."""
     metrics, worker = Metrics(), ModelWorker()
     if compiled.family == "decoder":
-        worker.engine = compiled.batch_engine(max_batch, wake=worker.wake)
+        prefix_cache = PrefixCache(capacity_bytes=int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb > 0 else None
+        worker.engine = compiled.batch_engine(max_batch, wake=worker.wake, prefix_cache=prefix_cache)
         metrics.watch(worker.engine)
 
     @asynccontextmanager
