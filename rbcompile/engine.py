@@ -1,7 +1,8 @@
 """Continuous batching for an artifact's decoder: requests join and leave the running batch at
 every decode step (as vLLM and TGI do), each with its own sampling, stop conditions and budget.
 
-Calls go one way. `BatchEngine.step()` admits waiting requests (a batch-1 prefill each,
+Calls go one way. `BatchEngine.step()` admits waiting requests, highest priority (QoS class)
+first, then by arrival (a batch-1 prefill each,
 written straight into the `BatchKVCache` row the request will decode in, after the blocks of
 its prompt the `PrefixCache` holds are copied there; its first token comes from that prefill), runs one decode step over every running row, hands each row its token, and
 lets finished or cancelled rows leave. Any thread may `submit` / `cancel`; one thread (the
@@ -15,8 +16,9 @@ speculative decoding stays per-request `generate` (a batch step emits one token 
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
-from collections import deque
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Callable
@@ -40,6 +42,7 @@ class EngineRequest:
     sampling: SamplingConfig = SamplingConfig()
     stop: list[str] = field(default_factory=list)
     budget: float | None = None
+    priority: int = 1               # lower first (QoS class: 0 interactive, 1 standard, 2 batch)
     on_token: Callable[[int], None] | None = None
     on_finish: Callable[["EngineRequest"], None] | None = None
     row: RowTokens = field(default_factory=lambda: RowTokens(0))
@@ -80,7 +83,8 @@ class BatchEngine:
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
         self.cache = BatchKVCache(shape, max_batch, block)
-        self.waiting: deque[EngineRequest] = deque()
+        self.waiting: list[tuple[int, int, EngineRequest]] = []   # a heap: priority, arrival
+        self.arrivals = itertools.count()
         self.running: list[EngineRequest] = []        # running[i] decodes in cache row i
         self.criteria: dict[EngineRequest, StopCriteria] = {}
         self.generators: dict[EngineRequest, torch.Generator | None] = {}
@@ -99,7 +103,7 @@ class BatchEngine:
                                               self.decode)
         self.generators[request] = request.sampling.generator(self.shape.device)
         with self.wake:
-            self.waiting.append(request)
+            heapq.heappush(self.waiting, (request.priority, next(self.arrivals), request))
             self.wake.notify()
         return request
 
@@ -112,6 +116,13 @@ class BatchEngine:
     @property
     def queued(self) -> int:
         return len(self.waiting)
+
+    def queued_by_priority(self) -> dict[int, int]:
+        with self.wake:
+            counts: dict[int, int] = {}
+            for priority, _, _ in self.waiting:
+                counts[priority] = counts.get(priority, 0) + 1
+        return counts
 
     @property
     def has_work(self) -> bool:
@@ -136,7 +147,7 @@ class BatchEngine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             with self.wake:
-                request = self.waiting.popleft()
+                request = heapq.heappop(self.waiting)[2]
             if request.cancelled:
                 self._finish(request, "cancelled")
                 continue

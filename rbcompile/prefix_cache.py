@@ -5,7 +5,7 @@ A block's key hashes its parent block's key and its own tokens, so one key names
 prefix up to the block's end; the chain's root hashes the plan the K/V were computed under
 (the gates: a light plan's K/V differ from the full path's). K/V depend on token positions,
 not on cache slots, so a block serves any row at any slot. Blocks are evicted least recently
-used past `capacity_bytes`; each carries a CRC-32 of its tensors, checked before reuse (a
+used past `capacity_bytes` (or a lower `set_limit` under memory pressure); each carries a CRC-32 of its tensors, checked before reuse (a
 block that fails is dropped, and the prompt is prefilled from there).
 """
 from __future__ import annotations
@@ -46,6 +46,17 @@ class PrefixCache:
     blocks: OrderedDict = field(default_factory=OrderedDict)   # key -> PrefixBlock, LRU first
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     nbytes: int = 0
+    limit_bytes: int | None = None   # a lower cap for now (memory pressure); None: the capacity
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.capacity_bytes if self.limit_bytes is None else min(self.limit_bytes, self.capacity_bytes)
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """Hold at most `limit_bytes` until the limit is lifted (None): a memory watermark's
+        lever. Evicts least recently used blocks down to it now."""
+        self.limit_bytes = limit_bytes
+        self.shrink(self.budget_bytes)
 
     def keys(self, prompt: list[int], gates) -> list[bytes]:
         """The chain keys of the prompt's whole blocks under `gates` (None: the full path)."""
@@ -89,17 +100,16 @@ class PrefixCache:
             start = index * self.block_tokens
             kept = [tensor[:, start:start + self.block_tokens].clone() for tensor in tensors]
             nbytes = sum(t.numel() * t.element_size() for t in kept)
-            if nbytes > self.capacity_bytes:
+            if nbytes > self.budget_bytes:
                 return
             self.blocks[key] = PrefixBlock(tuple(prompt[start:start + self.block_tokens]), kept,
                                            _checksum(kept), nbytes)
             self.nbytes += nbytes
             self.stats.inserted_blocks += 1
-            self.shrink(self.capacity_bytes)
+            self.shrink(self.budget_bytes)
 
     def shrink(self, limit_bytes: int) -> None:
-        """Evict least recently used blocks until at most `limit_bytes` are held (a memory
-        watermark's lever)."""
+        """Evict least recently used blocks until at most `limit_bytes` are held."""
         while self.nbytes > limit_bytes and self.blocks:
             self._drop(next(iter(self.blocks)))
             self.stats.evicted_blocks += 1

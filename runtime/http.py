@@ -45,11 +45,13 @@ from rbcompile.engine import EngineRequest
 from rbcompile.errors import UserError, first_line
 from rbcompile.generation import SPECULATE_MODES
 from rbcompile.prefix_cache import PrefixCache
+from rbcompile.runtime.admission import QOS_CLASSES, Overloaded, Watermarks, admit
 from rbcompile.sampling import SamplingConfig
 from rbcompile.quality import mean_pool
 
 log = logging.getLogger("rbcompile.serve")
 PUBLIC_PATHS = ("/health",)
+RETRY_AFTER_S = 1   # what a 503 (overloaded) tells the client to wait
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health",
              "/metrics")
 
@@ -61,6 +63,7 @@ class ServeLimits:
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 1024
     max_n: int = 8
+    max_queue: int = 1024          # completions waiting for a batch row; more are shed (503)
 
 
 class ApiError(Exception):
@@ -71,8 +74,9 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": str(RETRY_AFTER_S)}}
         return JSONResponse(error_body(self.message, self.param, self.code), status_code=self.status,
-                            headers={"WWW-Authenticate": "Bearer"} if self.status == 401 else None)
+                            headers=headers.get(self.status))
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,
@@ -90,6 +94,7 @@ class CompletionExtension(_Strict):
     """The `rbcompile` object of a completion request."""
     budget: float | None = Field(None, ge=0, le=1)
     speculate: Literal[SPECULATE_MODES] = "off"
+    qos: Literal[QOS_CLASSES] = "standard"
 
 
 class EmbeddingExtension(_Strict):
@@ -169,6 +174,13 @@ class Metrics:
         self.prefix_hit_rate = Gauge("rbcompile_prefix_cache_hit_rate",
                                      "Share of prompt tokens whose K/V came from the prefix cache", registry=r)
         self.prefix_bytes = Gauge("rbcompile_prefix_cache_bytes", "K/V bytes the prefix cache holds", registry=r)
+        self.queued_by_qos = Gauge("rbcompile_queued_requests_by_qos", "Completions waiting, per QoS class",
+                                   ["qos"], registry=r)
+        self.refused = Counter("rbcompile_overload_refusals", "Requests refused with 503: shed (memory or "
+                               "queue) or rejected (QoS class not admitted)", ["reason"], registry=r)
+        self.watermark = Gauge("rbcompile_memory_watermark", "Memory watermark reached at the last "
+                               "admission: 0 none, 1 shrink (60%), 2 protect (80%), 3 shed (95%)", registry=r)
+        self.engine = None
 
     def record_generation(self, tokens: int, seconds: float, drafted: int = 0, accepted: int = 0) -> None:
         self.tokens.inc(tokens)
@@ -177,8 +189,16 @@ class Metrics:
         self.drafted.inc(drafted)
         self.accepted.inc(accepted)
 
+    def refresh(self) -> None:
+        """Labelled gauges read at a scrape."""
+        if self.engine is not None:
+            counts = self.engine.queued_by_priority()
+            for priority, qos in enumerate(QOS_CLASSES):
+                self.queued_by_qos.labels(qos).set(counts.get(priority, 0))
+
     def watch(self, engine) -> None:
         """Batch and queue gauges read from `engine` at each scrape."""
+        self.engine = engine
         self.batch_rows.set_function(lambda: len(engine.running))
         self.queued.set_function(lambda: engine.queued)
         if engine.prefix_cache is not None:
@@ -424,11 +444,15 @@ COMPLETION, CHAT = CompletionFormat(), ChatFormat()
 # ---- the app -----------------------------------------------------------------------------------
 
 def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits(),
-               max_batch: int = 16, prefix_cache_mb: float = 256) -> FastAPI:
+               max_batch: int = 16, prefix_cache_mb: float = 256,
+               watermarks: Watermarks = Watermarks(), memory: Callable[[], float] | None = None) -> FastAPI:
     """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer). With `api_key`,
     every path but /health needs `Authorization: Bearer <api_key>`. Decoders' completions are
     continuously batched, at most `max_batch` rows at a time (1: one after another), with a
-    prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none)."""
+    prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none). Completions are admitted
+    by QoS class under the memory `watermarks` (`memory()`: the system memory fraction in use,
+    psutil's by default): from 60% the prefix cache halves, from 80% the batch class gets 503,
+    from 95% every new completion does, with Retry-After; admitted ones always finish."""
     metrics, worker = Metrics(), ModelWorker()
     if compiled.family == "decoder":
         prefix_cache = PrefixCache(capacity_bytes=int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb > 0 else None
@@ -442,7 +466,10 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
 
     app = FastAPI(title="rbcompile", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.engine = worker.engine
-    service = _Service(compiled, limits, metrics, worker)
+    if memory is None:
+        from rbcompile.runtime.monitors import ResourceMonitor
+        memory = ResourceMonitor().memory_fraction
+    service = _Service(compiled, limits, metrics, worker, watermarks, memory)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -451,6 +478,7 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
 
     @app.get("/metrics")
     async def prometheus():
+        metrics.refresh()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -523,8 +551,10 @@ def _param(loc: tuple) -> str | None:
 class _Service:
     """The endpoints' work on one compiled model."""
 
-    def __init__(self, compiled, limits: ServeLimits, metrics: Metrics, worker: ModelWorker):
+    def __init__(self, compiled, limits: ServeLimits, metrics: Metrics, worker: ModelWorker,
+                 watermarks: Watermarks, memory: Callable[[], float]):
         self.compiled, self.limits, self.metrics, self.worker = compiled, limits, metrics, worker
+        self.watermarks, self.memory = watermarks, memory
         self.name = compiled.manifest["source"]["name"]
         self.created = int(time.time())
         self.tokenizer = compiled.tokenizer
@@ -605,6 +635,7 @@ class _Service:
         header = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}",
                   "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.name}
+        await self._admit(body.rbcompile.qos)
         if body.rbcompile.speculate == "off":
             run = self._batched(body, batch, stop, max_tokens)
         else:
@@ -623,6 +654,23 @@ class _Service:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
 
+    async def _admit(self, qos: str) -> None:
+        """Refuse a completion with 503 when the watermarks or the queue say so; from the
+        shrink watermark on, the prefix cache holds half its capacity (set on the model
+        thread, its owner)."""
+        memory, engine = self.memory(), self.worker.engine
+        self.metrics.watermark.set(self.watermarks.level(memory))
+        cache = engine.prefix_cache
+        if cache is not None:
+            limit = cache.capacity_bytes // 2 if memory >= self.watermarks.shrink else None
+            if cache.limit_bytes != limit:
+                await self.worker.call(cache.set_limit, limit)
+        try:
+            admit(qos, memory, engine.queued, self.watermarks, self.limits.max_queue)
+        except Overloaded as exc:
+            self.metrics.refused.labels(exc.reason).inc()
+            raise ApiError(503, str(exc), code="overloaded") from None
+
     def _batched(self, body, batch, stop: list[str], max_tokens: int) -> "_TokenRun":
         """The choices as requests of the continuous-batching engine; choice i samples with
         seed `seed + i` (its own generator: the same prompt, seed and choice index give the
@@ -638,6 +686,7 @@ class _Service:
                                           None if body.seed is None else body.seed + index)
                 requests.append(engine.submit(EngineRequest(
                     prompt, max_tokens, sampling, stop, body.rbcompile.budget,
+                    priority=QOS_CLASSES.index(body.rbcompile.qos),
                     on_token=partial(_deliver, loop, queue, index),
                     on_finish=lambda request, index=index: _deliver(loop, queue, index, None))))
         except Exception:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
+from .admission import QOS_CLASSES, Overloaded, Watermarks, admit, check_qos
 from .complexity import Tiers
 from .executor import RowResult, TieredExecutor, confidence_of, pad_batch, plan_key
 from .monitors import DEFAULT_PERIOD_S, LatencyTracker, MonitorSampler, QualityMonitor, ResourceMonitor
@@ -42,7 +43,6 @@ from .result_cache import ResultCache
 
 log = logging.getLogger(__name__)
 
-QOS_CLASSES = ("interactive", "standard", "batch")  # highest priority first
 LATENCY_WINDOW_S = 5.0   # policies see the p50 / p99 latency of the last 5 s
 
 
@@ -65,14 +65,6 @@ PRESETS = {
     "document-summary": Preset(0.78, 3, 0.6),
     "code-generation": Preset(0.72, 1, 0.3),
 }
-
-
-@dataclass(frozen=True)
-class Watermarks:
-    shrink: float = 0.60
-    protect: float = 0.80
-    shed: float = 0.95
-    pressure_budget: float = 0.3   # the least budget above the protect watermark
 
 
 @dataclass
@@ -200,8 +192,10 @@ class AdaptiveServer:
         return future
 
     def _validate(self, text, input_ids, qos, budget) -> torch.Tensor:
-        if qos not in QOS_CLASSES:
-            raise RequestError(f"unknown QoS class {qos!r} (known: {', '.join(QOS_CLASSES)})")
+        try:
+            check_qos(qos)
+        except UserError as exc:
+            raise RequestError(str(exc)) from None
         if budget is not None:
             try:
                 check_budget(budget)
@@ -224,18 +218,11 @@ class AdaptiveServer:
         return ids.long()
 
     def _admit(self, qos: str) -> None:
-        memory, marks = self.memory(), self.config.watermarks
-        if memory >= marks.shed:
-            self.counters["shed"] += 1
-            raise RequestError(f"overloaded: memory at {memory:.0%} (>= {marks.shed:.0%} "
-                               "watermark); request shed, retry later")
-        if memory >= marks.protect and qos == QOS_CLASSES[-1]:
-            self.counters["rejected"] += 1
-            raise RequestError(f"memory at {memory:.0%} (>= {marks.protect:.0%} watermark): "
-                               f"not admitting QoS class {qos!r} now")
-        if len(self._queue) >= self.config.max_queue:
-            self.counters["shed"] += 1
-            raise RequestError(f"queue full ({self.config.max_queue} requests); retry later")
+        try:
+            admit(qos, self.memory(), len(self._queue), self.config.watermarks, self.config.max_queue)
+        except Overloaded as exc:
+            self.counters[exc.reason] += 1
+            raise RequestError(str(exc)) from None
 
     # ---- serving ----------------------------------------------------------------------------
 

@@ -287,7 +287,8 @@ def test_models_health_metrics(decoder_client, llama):
 
 @pytest.mark.parametrize("body, message, param", [
     ({"prompt": "the", "logit_bias": {}}, "unknown field 'logit_bias'", "logit_bias"),
-    ({"prompt": "the", "rbcompile": {"qos": "batch"}}, "unknown field 'rbcompile.qos'", "rbcompile.qos"),
+    ({"prompt": "the", "rbcompile": {"qos": "urgent"}}, "'interactive', 'standard' or 'batch'", "rbcompile.qos"),
+    ({"prompt": "the", "rbcompile": {"tier": 2}}, "unknown field 'rbcompile.tier'", "rbcompile.tier"),
     ({"prompt": "the", "n": 9}, "n=9 is over this server's limit of 8", "n"),
     ({"prompt": "the", "n": 0}, "greater than or equal to 1", "n"),
     ({"prompt": "the", "max_tokens": "many"}, "valid integer", "max_tokens"),
@@ -488,3 +489,48 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(llama, tmp_path):
             httpx.get(f"{base}/health")
     finally:
         process.kill()
+
+
+def test_memory_watermarks_refuse_with_503_by_qos_class(llama):
+    """80%: the batch class gets 503 (others are served); 95%: every completion gets 503 with
+    Retry-After; 60%: the prefix cache is halved first. Counted in /metrics."""
+    level = {"memory": 0.5}
+    client = TestClient(create_app(llama, memory=lambda: level["memory"], prefix_cache_mb=0.01))
+    body = {"prompt": " ".join([PROMPTS[0]] * 3), "max_tokens": 4, "temperature": 0}   # 18 tokens
+    assert client.post("/v1/completions", json=body).status_code == 200
+    cache = client.app.state.engine.prefix_cache
+    filled = cache.nbytes
+    assert filled > cache.capacity_bytes // 2
+    level["memory"] = 0.65
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert cache.nbytes <= cache.capacity_bytes // 2 < filled   # halved, and kept so
+    level["memory"] = 0.5
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert cache.nbytes == filled                                # lifted
+    level["memory"] = 0.85
+    batch = client.post("/v1/completions", json={**body, "rbcompile": {"qos": "batch"}})
+    assert batch.status_code == 503 and "not admitting QoS class 'batch'" in batch.json()["error"]["message"]
+    assert client.post("/v1/completions", json={**body, "rbcompile": {"qos": "interactive"}}).status_code == 200
+    level["memory"] = 0.97
+    shed = client.post("/v1/completions", json=body)
+    assert shed.status_code == 503 and shed.headers["Retry-After"] == "1"
+    assert shed.json()["error"]["code"] == "overloaded" and "97%" in shed.json()["error"]["message"]
+    metrics = client.get("/metrics").text
+    assert 'rbcompile_overload_refusals_total{reason="shed"} 1.0' in metrics
+    assert 'rbcompile_overload_refusals_total{reason="rejected"} 1.0' in metrics
+    assert "rbcompile_memory_watermark 3.0" in metrics
+    assert 'rbcompile_queued_requests_by_qos{qos="batch"} 0.0' in metrics
+
+
+def test_engine_admits_by_qos_class_then_arrival(llama):
+    from rbcompile.engine import EngineRequest
+
+    engine = llama.batch_engine(max_batch=1)
+    finished = []
+    for name, priority in [("batch", 2), ("standard", 1), ("interactive", 0), ("standard 2", 1)]:
+        engine.submit(EngineRequest([4, 5, 6], 2, priority=priority,
+                                    on_finish=lambda request, name=name: finished.append(name)))
+    assert engine.queued_by_priority() == {0: 1, 1: 2, 2: 1}
+    while engine.has_work:
+        engine.step()
+    assert finished == ["interactive", "standard", "standard 2", "batch"]
