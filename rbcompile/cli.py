@@ -195,6 +195,15 @@ def _build_parser() -> argparse.ArgumentParser:
                    "together, continuously batched (default 16; 1: one after another)")
     p.add_argument("--prefix-cache-mb", type=float, default=256, help="decoders: MiB of prompt-"
                    "prefix K/V blocks kept for reuse across requests (default 256; 0: off)")
+    p.add_argument("--policy", choices=("static", "pid", "ppo"), default="static",
+                   help="decoders: who sets the budget of completions that bring none: static "
+                   "(--budget), pid (holds the decode-step latency at --slo-ms), ppo "
+                   "(--policy-file, from train-policy)")
+    p.add_argument("--budget", type=_budget, default=0.0, help="static policy's budget "
+                   "(default 0: the full path)")
+    p.add_argument("--slo-ms", type=float, default=100.0, help="decode-step (inter-token) latency "
+                   "objective of the pid policy (default 100)")
+    p.add_argument("--policy-file", metavar="DIR", help="ppo: a folder written by train-policy")
 
     p = sub.add_parser("verify", help="check an artifact without running it: every file's "
                        "sha256, the manifest's schema, the generated code and the weights")
@@ -483,12 +492,32 @@ def _cmd_serve(args) -> None:
         raise UserError(f"rbcompile serve needs the 'serve' extra ({exc.name} is missing): "
                         "pip install 'rbcompile[serve]'") from None
     model = rbcompile.load(args.artifact)
+    policy = _serve_policy(args, model)
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
     app = create_app(model, api_key=api_key, limits=limits, max_batch=args.max_batch,
-                     prefix_cache_mb=args.prefix_cache_mb)
+                     prefix_cache_mb=args.prefix_cache_mb, policy=policy, slo_s=args.slo_ms / 1000)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     _serve_until_signalled(partial(uvicorn.run, app, host=args.host, port=args.port, log_level="info"))
+
+
+def _serve_policy(args, model):
+    """The policy `--policy` names (runtime/policy.py, runtime/ppo.py)."""
+    from .errors import UserError
+    from .runtime.pid import PIDConfig
+    from .runtime.policy import GuardedPolicy, PIDPolicy, StaticPolicy
+
+    if not args.slo_ms > 0:
+        raise UserError(f"--slo-ms must be > 0, got {args.slo_ms}")
+    if (args.policy == "ppo") != bool(args.policy_file):
+        raise UserError("--policy-file goes with --policy ppo, and --policy ppo needs it")
+    if args.policy == "static":
+        return StaticPolicy(args.budget)
+    if args.policy == "pid":
+        most = max((plan["budget"] for plan in model.plans or []), default=1.0)
+        return PIDPolicy(PIDConfig(setpoint=args.slo_ms / 1000, period_s=0.25), max_budget=most)
+    from .runtime.ppo import PPOPolicy
+    return GuardedPolicy(PPOPolicy.load(args.policy_file), StaticPolicy(0.0))
 
 
 def _serve_until_signalled(serve) -> None:

@@ -89,6 +89,8 @@ class BatchEngine:
         self.criteria: dict[EngineRequest, StopCriteria] = {}
         self.generators: dict[EngineRequest, torch.Generator | None] = {}
         self.stats = EngineStats()
+        self.budget: float | None = None   # for requests without their own (a controller's)
+        self.controller = None             # runtime.decode_control.DecodeController, if any
         self.wake = wake or threading.Condition()   # notified on submit and cancel
 
     # ---- any thread ----------------------------------------------------------------------
@@ -105,6 +107,8 @@ class BatchEngine:
         with self.wake:
             heapq.heappush(self.waiting, (request.priority, next(self.arrivals), request))
             self.wake.notify()
+        if self.controller is not None:
+            self.controller.arrived()
         return request
 
     def cancel(self, request: EngineRequest) -> None:
@@ -134,6 +138,8 @@ class BatchEngine:
         """Admit waiting requests, then one decode step for every running row. False when
         there was nothing to do."""
         try:
+            if self.controller is not None:
+                self.controller.before_step()
             self._drop_cancelled()
             self._admit()
             if not self.running:
@@ -179,7 +185,7 @@ class BatchEngine:
         self._emit(request, int(request.sampling.choose(logits[:, -1], self.generators[request])))
 
     def _decode(self) -> None:
-        cache, device = self.cache, self.shape.device
+        cache, device, started = self.cache, self.shape.device, perf_counter()
         cache.reserve_step()
         rows = slice(0, cache.active)
         pending = torch.tensor([[request.tokens[-1]] for request in self.running], device=device)
@@ -191,6 +197,9 @@ class BatchEngine:
         cache.advance()
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self.running)
+        if self.controller is not None:
+            top = logits.float().softmax(-1).max(-1).values.tolist()
+            self.controller.step_done(perf_counter() - started, top)
         greedy = logits.argmax(-1).tolist()
         for index, request in enumerate(self.running):
             sampling = request.sampling
@@ -200,9 +209,9 @@ class BatchEngine:
         self._leave_finished()
 
     def _batch_gates(self):
-        """The gates of the smallest budget among the running rows (None, the full path, beats
-        any)."""
-        budgets = [request.budget for request in self.running]
+        """The gates of the smallest budget among the running rows, a row without a budget of
+        its own taking the engine's (None, the full path, beats any)."""
+        budgets = [self.budget if request.budget is None else request.budget for request in self.running]
         return self.gates_for_budget(None if None in budgets else min(budgets))
 
     def _emit(self, request: EngineRequest, token: int) -> None:

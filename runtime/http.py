@@ -46,6 +46,7 @@ from rbcompile.errors import UserError, first_line
 from rbcompile.generation import SPECULATE_MODES
 from rbcompile.prefix_cache import PrefixCache
 from rbcompile.runtime.admission import QOS_CLASSES, Overloaded, Watermarks, admit
+from rbcompile.runtime.decode_control import DecodeController
 from rbcompile.sampling import SamplingConfig
 from rbcompile.quality import mean_pool
 
@@ -180,6 +181,8 @@ class Metrics:
                                "queue) or rejected (QoS class not admitted)", ["reason"], registry=r)
         self.watermark = Gauge("rbcompile_memory_watermark", "Memory watermark reached at the last "
                                "admission: 0 none, 1 shrink (60%), 2 protect (80%), 3 shed (95%)", registry=r)
+        self.budget = Gauge("rbcompile_decode_budget", "Budget (skipped MLP share) the controller "
+                            "sets for completions without their own", registry=r)
         self.engine = None
 
     def record_generation(self, tokens: int, seconds: float, drafted: int = 0, accepted: int = 0) -> None:
@@ -200,6 +203,7 @@ class Metrics:
         """Batch and queue gauges read from `engine` at each scrape."""
         self.engine = engine
         self.batch_rows.set_function(lambda: len(engine.running))
+        self.budget.set_function(lambda: engine.budget or 0.0)
         self.queued.set_function(lambda: engine.queued)
         if engine.prefix_cache is not None:
             self.prefix_hit_rate.set_function(lambda: engine.prefix_cache.stats.hit_rate)
@@ -445,14 +449,17 @@ COMPLETION, CHAT = CompletionFormat(), ChatFormat()
 
 def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits(),
                max_batch: int = 16, prefix_cache_mb: float = 256,
-               watermarks: Watermarks = Watermarks(), memory: Callable[[], float] | None = None) -> FastAPI:
+               watermarks: Watermarks = Watermarks(), memory: Callable[[], float] | None = None,
+               policy=None, slo_s: float = 0.1) -> FastAPI:
     """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer). With `api_key`,
     every path but /health needs `Authorization: Bearer <api_key>`. Decoders' completions are
     continuously batched, at most `max_batch` rows at a time (1: one after another), with a
     prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none). Completions are admitted
     by QoS class under the memory `watermarks` (`memory()`: the system memory fraction in use,
     psutil's by default): from 60% the prefix cache halves, from 80% the batch class gets 503,
-    from 95% every new completion does, with Retry-After; admitted ones always finish."""
+    from 95% every new completion does, with Retry-After; admitted ones always finish. With a
+    `policy` (runtime/policy.py), a DecodeController sets the budget of completions that bring
+    none, holding the decode-step latency at `slo_s`."""
     metrics, worker = Metrics(), ModelWorker()
     if compiled.family == "decoder":
         prefix_cache = PrefixCache(capacity_bytes=int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb > 0 else None
@@ -469,6 +476,8 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
     if memory is None:
         from rbcompile.runtime.monitors import ResourceMonitor
         memory = ResourceMonitor().memory_fraction
+    if policy is not None and worker.engine is not None:
+        DecodeController(worker.engine, policy, slo_s, memory)
     service = _Service(compiled, limits, metrics, worker, watermarks, memory)
     _add_error_handlers(app)
 

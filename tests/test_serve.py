@@ -534,3 +534,45 @@ def test_engine_admits_by_qos_class_then_arrival(llama):
     while engine.has_work:
         engine.step()
     assert finished == ["interactive", "standard", "standard 2", "batch"]
+
+
+@pytest.mark.parametrize("slo_s,lighter", [(1e-6, True), (100.0, False)])
+def test_pid_controller_sets_the_budget_of_requests_without_one(llama, slo_s, lighter):
+    """Decode steps slower than the SLO raise the engine's budget (requests with no budget of
+    their own then run a light plan); steps well within it leave the full path."""
+    from rbcompile.engine import EngineRequest
+    from rbcompile.runtime.decode_control import DecodeController
+    from rbcompile.runtime.pid import PIDConfig
+    from rbcompile.runtime.policy import PIDPolicy
+
+    engine = llama.batch_engine(max_batch=4)
+    controller = DecodeController(engine, PIDPolicy(PIDConfig(setpoint=slo_s, period_s=0.0)),
+                                  slo_s, memory=lambda: 0.5, period_s=0.0)
+    budgets = []
+    engine.gates_for_budget = lambda budget: budgets.append(budget) or llama.decoder_gates(budget)
+    request = engine.submit(EngineRequest([7, 8, 9], 20))
+    while engine.has_work:
+        engine.step()
+    assert controller.state().latency_p99 > 0 and controller.quality.snapshot()["count"] == 19
+    if lighter:
+        assert budgets[0] is None and budgets[-1] > 0 and engine.budget == budgets[-1]
+    else:
+        assert set(budgets) == {None}
+        assert request.tokens == llama.generate(torch.tensor([[7, 8, 9]]), max_new_tokens=20).tokens[0]
+
+
+def test_cli_serves_with_a_policy(tmp_path, llama, monkeypatch, capsys):
+    import uvicorn
+
+    from rbcompile.runtime.policy import PIDPolicy
+
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app, **options))
+    artifact = llama.save(tmp_path / "artifact")
+    assert main(["serve", str(artifact), "--policy", "pid", "--slo-ms", "50"]) == 0
+    controller = served["app"].state.engine.controller
+    assert isinstance(controller.policy, PIDPolicy) and controller.slo_s == 0.05
+    assert main(["serve", str(artifact), "--policy", "ppo"]) == 2
+    assert "--policy ppo needs it" in capsys.readouterr().err
+    assert main(["serve", str(artifact), "--policy", "ppo", "--policy-file", str(tmp_path / "none")]) == 2
+    assert "no such policy folder" in capsys.readouterr().err

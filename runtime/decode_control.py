@@ -1,0 +1,73 @@
+"""The adaptive controller inside `rbcompile serve`: a policy sets the budget of the serving
+engine's decode steps from what the monitors see.
+
+Before an engine step (on the model thread), at most once per `period_s`, `DecodeController`
+builds a `PolicyState`: decode-step latency (the SLO is per step, the inter-token latency every
+running stream feels) p50 / p99 over the last seconds, the queue, arrivals per second, system
+memory, CPU, and the confidence (top-1 probability) of recently emitted tokens. The policy
+(static, PID on the latency SLO, a PPO-trained one) decides; its budget becomes
+`engine.budget`, under which every request that brings no budget of its own runs. The same
+policies drive the in-process `AdaptiveServer`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import psutil
+
+from .monitors import LatencyTracker, QualityMonitor
+from .policy import BasePolicy, Decision, PolicyState
+
+LATENCY_WINDOW_S = 5.0
+
+
+class DecodeController:
+    """Drives `engine.budget` with `policy`; `memory()` gives the system memory fraction."""
+
+    def __init__(self, engine, policy: BasePolicy, slo_s: float, memory: Callable[[], float],
+                 period_s: float = 0.25):
+        if not slo_s > 0 or period_s < 0:
+            raise ValueError("slo_s must be > 0 and period_s >= 0")
+        self.engine, self.policy, self.slo_s, self.memory = engine, policy, slo_s, memory
+        self.period_s = period_s
+        self.steps = LatencyTracker(latency_window_s=LATENCY_WINDOW_S)
+        self.quality = QualityMonitor()
+        self.decision = Decision()
+        self.last_step_s = 0.0
+        self._decided_at: float | None = None
+        engine.controller = self
+
+    def arrived(self) -> None:
+        """A request was submitted (any thread)."""
+        self.steps.record_arrival()
+
+    def step_done(self, seconds: float, confidences: list[float]) -> None:
+        """A decode step took `seconds`; its rows' chosen tokens had these probabilities."""
+        self.last_step_s = seconds
+        self.steps.record(seconds)
+        self.quality.record(confidences)
+
+    def before_step(self) -> None:
+        now = time.monotonic()
+        if self._decided_at is not None and now - self._decided_at < self.period_s:
+            return
+        self._decided_at = now
+        state = self.state()
+        self.policy.observe(state)
+        self.decision = self.policy.decide(state)
+        self.engine.budget = self.decision.budget or None
+
+    def state(self) -> PolicyState:
+        latency, quality, engine = self.steps.snapshot(), self.quality.snapshot(), self.engine
+        lengths = [len(request.prompt) + len(request.tokens) for request in engine.running]
+        finite = lambda value: value if math.isfinite(value) else 0.0  # noqa: E731
+        return PolicyState(
+            memory=self.memory(), input_length=sum(lengths) / len(lengths) if lengths else 0.0,
+            queue_depth=engine.queued, arrival_rate=latency["arrival_rate"],
+            last_latency=self.last_step_s, latency_p50=finite(latency["p50"]),
+            latency_p99=finite(latency["p99"]), confidence_mean=quality["mean"],
+            confidence_p10=quality["p10"], cpu_utilisation=psutil.cpu_percent(None) / 100,
+            previous_budget=self.decision.budget, slo_s=self.slo_s,
+            max_length=engine.shape.max_positions)
