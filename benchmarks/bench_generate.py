@@ -23,7 +23,6 @@ Writes benchmarks/results/bench_generate.json (every raw time) or --json PATH.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -427,16 +426,7 @@ def main() -> None:
                "summary": rows,
                "targets": [{"target": n, "met": m, "evidence": e} for n, m, e in checks],
                "records": records}
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        import platform
-        payload = {"machine": {"platform": platform.platform(), "torch": torch.__version__,
-                               "threads": torch.get_num_threads()},
-                   "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
-        path.write_text(json.dumps(payload, indent=1))
-    else:
-        path = write_json("bench_generate", payload)
+    path = write_json("bench_generate", payload, args.json)
     print(f"\nwrote {path}")
 
 

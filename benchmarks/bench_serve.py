@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
@@ -180,13 +179,16 @@ class Endpoint:
             self.usage = False
 
     async def request(self, prompt: str, max_tokens: int, *, usage: bool = False,
-                      probe: bool = False) -> dict:
+                      probe: bool = False, rbcompile: dict | None = None) -> dict:
         """One streamed completion: times of its text chunks, its text and finish reason
-        (`usage`: ask for the token count in the stream). A failure is recorded as `error`
+        (`usage`: ask for the token count in the stream; `rbcompile`: the request's extension
+        object). A failure is recorded as `error`, with its HTTP `status` if it had one
         (raised when `probe`)."""
         extra = {"stream_options": {"include_usage": True}} if usage else {}
+        if rbcompile:
+            extra["extra_body"] = {"rbcompile": rbcompile}
         sent = time.perf_counter()
-        times, parts, finish, usage, error = [], [], None, None, None
+        times, parts, finish, usage, error, status = [], [], None, None, None, None
         try:
             stream = await self.client.completions.create(
                 model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0,
@@ -204,9 +206,10 @@ class Endpoint:
             if probe:
                 raise
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            status = getattr(exc, "status_code", None)
         return {"sent": sent, "done": time.perf_counter(), "chunk_times": times,
                 "text": "".join(parts), "finish_reason": finish, "usage_tokens": usage,
-                "error": error}
+                "error": error, "status": status}
 
     async def close(self) -> None:
         await self.client.close()
@@ -815,13 +818,7 @@ def main() -> None:
     load["end"] = _uptime()
     print(f"\nload average: start {load['start']}, end {load['end']}")
 
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload},
-                                   indent=1))
-    else:
-        path = write_json("bench_serve", payload)
+    path = write_json("bench_serve", payload, args.json)
     print(f"\nwrote {path}")
 
 

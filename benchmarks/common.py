@@ -59,9 +59,10 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_json(name: str, payload: dict, path: str | Path | None = None) -> Path:
+    """`payload` with the machine and the time, to `path` (default results/NAME.json)."""
+    path = RESULTS / f"{name}.json" if path is None else Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                            "torch": torch.__version__, "threads": torch.get_num_threads()},
                "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
