@@ -69,6 +69,8 @@ class Architecture:
     config: ConfigNames = ConfigNames()
     inputs: tuple[str, ...] = ("input_ids", "attention_mask")
     mask_input: str = "attention_mask"
+    # a config attribute p: positions start at p + 1 (RoBERTa's padding_idx + 1), p + 1 fewer
+    position_offset: str | None = None
 
     def dimensions(self, config) -> Dimensions:
         """The model's sizes from its transformers config (or config.json as a dict)."""
@@ -85,7 +87,8 @@ class Architecture:
                           kv_heads=first(self.config.kv_heads, heads),
                           head_dim=first(self.config.head_dim, hidden // heads),
                           channels=first(self.config.channels, 4 * hidden),
-                          max_positions=first(self.config.positions, 4096),
+                          max_positions=first(self.config.positions, 4096)
+                          - ((read(self.position_offset) or 0) + 1 if self.position_offset else 0),
                           vocab=read("vocab_size"))
 
     def width_parameters(self, part: str) -> tuple[WidthParameter, ...]:
@@ -128,10 +131,23 @@ BERT = Architecture(
               + (WidthParameter("output.dense.weight", 1, CHANNELS),)),
     kv_projections=("key", "value"))
 
+# RoBERTa is BERT with positions from padding_idx + 1 (config.pad_token_id)
+ROBERTA = dataclasses.replace(BERT, model_type="roberta", position_offset="pad_token_id")
+
+DISTILBERT = Architecture(
+    model_type="distilbert", family=ENCODER,
+    heads=(_projections("attention", ["q_lin", "k_lin", "v_lin"], 0, QUERY_HEADS)
+           + (WidthParameter("attention.out_lin.weight", 1, QUERY_HEADS),)),
+    channels=(_projections("ffn", ["lin1"], 0, CHANNELS)
+              + (WidthParameter("ffn.lin2.weight", 1, CHANNELS),)),
+    kv_projections=("k_lin", "v_lin"),
+    config=ConfigNames(layers=("n_layers",), hidden=("dim",), heads=("n_heads",), kv_heads=(),
+                       head_dim=(), channels=("hidden_dim",)))
+
 REGISTRY: dict[str, Architecture] = {
     arch.model_type: arch for arch in (
         LLAMA, dataclasses.replace(LLAMA, model_type="mistral"),
-        dataclasses.replace(LLAMA, model_type="qwen2"), GPT2, BERT)}
+        dataclasses.replace(LLAMA, model_type="qwen2"), GPT2, BERT, ROBERTA, DISTILBERT)}
 
 
 def lookup(config) -> Architecture:

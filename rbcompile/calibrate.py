@@ -67,7 +67,8 @@ class Evaluator:
         self.compiled = compiled
         self.batches = batches
         self.family = compiled.family
-        self.task = head is not None and labels is not None
+        own = compiled.task_head == "sequence-classification"  # heads.SEQUENCE
+        self.task = (head is not None or own) and labels is not None
         self.labels = labels if self.task else [None] * len(batches)
         self.head = head
         self.references = [quality.reference(self.family, compiled(ids, mask), mask)
@@ -219,8 +220,9 @@ def build_plans(compiled, importance: dict, calib: Evaluator, heldout: Evaluator
 
 
 def _width_loss(family: str, model, ids, mask, generator, labels=None, head=None) -> torch.Tensor:
-    """Decoders: next-token loss. Encoders: the task loss with a head and labels; otherwise the
-    pooled embedding projected on fixed random directions, so |A^T dL/dA| measures how much a
+    """Decoders: next-token loss. Classifiers (their own head): cross-entropy on the labels, or
+    on their own predictions without labels. Encoders: the task loss with a head and labels;
+    otherwise the pooled embedding projected on fixed random directions, so |A^T dL/dA| measures how much a
     head or channel moves it."""
     if family == "decoder":
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
@@ -228,7 +230,17 @@ def _width_loss(family: str, model, ids, mask, generator, labels=None, head=None
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                reduction="none").view_as(weight)
         return loss[weight].mean()
-    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    out = model(input_ids=ids, attention_mask=mask)
+    if getattr(out, "logits", None) is not None:  # its own classifier head
+        logits = out.logits
+        if labels is not None and logits.dim() == 2:
+            return F.cross_entropy(logits, labels)
+        targets = logits.detach().argmax(-1)  # unlabelled: its own predictions
+        if logits.dim() == 3:
+            real = mask.bool()
+            logits, targets = logits[real], targets[real]
+        return F.cross_entropy(logits, targets)
+    hidden = out.last_hidden_state
     if head is not None and labels is not None:
         return F.cross_entropy(quality.head_logits(head, hidden, mask), labels)
     pooled = quality.mean_pool(hidden, mask)

@@ -365,6 +365,9 @@ def _run_texts(model, engine, args) -> None:
                         "positions")
     batch = tokenizer(args.text, return_tensors="pt", padding=True)
     out = engine(batch["input_ids"], batch["attention_mask"], budget=args.budget)
+    if model.labels and "logits" in out:
+        _print_labels(model, tokenizer, args.text, batch, out)
+        return
     pooled = mean_pool(out["last_hidden_state"].float().cpu(), batch["attention_mask"])
     for i, text in enumerate(args.text):
         head = ", ".join(f"{v:+.3f}" for v in pooled[i, :6].tolist())
@@ -374,6 +377,23 @@ def _run_texts(model, engine, args) -> None:
         for i in range(len(args.text)):
             for j in range(i + 1, len(args.text)):
                 print(f"  cosine(text {i + 1}, text {j + 1}) = {sims[i, j]:.4f}")
+    print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs")
+
+
+def _print_labels(model, tokenizer, texts, batch, out) -> None:
+    """A classifier artifact: each text's predicted label and its probability (token
+    classification: each real token's)."""
+    probs = out["logits"].float().cpu().softmax(-1)
+    best, index = probs.max(-1)
+    for i, text in enumerate(texts):
+        if probs.dim() == 2:
+            print(f"{text!r}: {model.labels[index[i]]} (p={best[i]:.3f})")
+            continue
+        real = batch["attention_mask"][i].bool()
+        tokens = tokenizer.convert_ids_to_tokens(batch["input_ids"][i][real].tolist())
+        tagged = " ".join(f"{token}/{model.labels[label]} ({p:.3f})" for token, label, p in
+                          zip(tokens, index[i][real].tolist(), best[i][real].tolist()))
+        print(f"{text!r}: {tagged}")
     print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs")
 
 
@@ -451,6 +471,9 @@ def _cmd_curve(args) -> None:
     settings = {k: getattr(args, k) or v for k, v in defaults.items()}
     if min(settings.values()) < 1 or args.rounds < 1:
         raise UserError("--samples, --seq, --batch and --rounds must be >= 1")
+    if args.classifier and model.labels:
+        raise UserError(f"this artifact has its own {model.task_head} head: --classifier is for "
+                        "headless encoders")
     data = load_eval_data(model, args.data, **settings)
     classifier = load_head(args.classifier) if args.classifier else None
     with step(f"measuring {len(model.plans or [])} plans and the static baseline on "

@@ -64,6 +64,8 @@ class CompiledModel:
         self.output_names = [name for name, _ in ir["outputs"]]
         arch = manifest["architecture"]
         self.family = arch["family"]
+        self.task_head = arch.get("head")  # heads.py; None: an encoder's hidden states
+        self.labels: list[str] | None = arch.get("labels")  # classifiers: names by class index
         self.vocab_size = arch["vocab_size"]
         self.max_positions = arch["max_positions"]
         self.num_gates = module.NUM_GATES

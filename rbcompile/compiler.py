@@ -48,11 +48,16 @@ def generate_module(gm, regions: list[dict], input_names, output_names, title: s
 
 def architecture_summary(model) -> dict:
     """The manifest's `architecture` section."""
+    from .heads import labels, module_head
+
     architecture = lookup(model.config)
     dims = architecture.dimensions(model.config)
-    return {"model_type": architecture.model_type, "family": architecture.family,
-            "class": type(model).__name__, "layers": dims.layers, "hidden_size": dims.hidden,
-            "vocab_size": dims.vocab}
+    head = module_head(model, architecture.family)
+    summary = {"model_type": architecture.model_type, "family": architecture.family,
+               "class": type(model).__name__, "head": head, "layers": dims.layers,
+               "hidden_size": dims.hidden, "vocab_size": dims.vocab}
+    names = labels(model.config, head)
+    return {**summary, "labels": names} if names else summary
 
 
 def _state_sha256(model: torch.nn.Module) -> str:
@@ -101,18 +106,25 @@ class Calibration:
     head: object | None      # a task head (encoders), or None
     head_path: str | None
     levels: tuple[float, ...]
+    task_head: str | None = None  # the model's own classifier head (heads.py), if any
+    labelled: bool = False        # its loss reads the data's labels
 
     @property
     def loss(self) -> str:
         if self.head is not None:
             return f"task head {self.head_path}"
+        if self.task_head is not None and self.family == ENCODER:
+            return (f"its {self.task_head} head: " + ("cross-entropy on the labels" if
+                    self.labelled else "KL divergence to the full path's class distribution"))
         return "next-token" if self.family == DECODER else "1 - cosine to the full path"
 
 
 def prepare_calibration(tokenizer, family: str, max_positions: int, source, samples=None,
                         seq=None, width_levels=DEFAULT_LEVELS, width_floor: float = 0.5,
-                        head_path=None) -> Calibration:
-    """Check the calibration options and make the batches, before any tracing."""
+                        head_path=None, task_head: str | None = None) -> Calibration:
+    """Check the calibration options and make the batches, before any tracing. A classifier
+    (`task_head`) calibrates on its own logits: labelled JSONL gives a sequence classifier's
+    cross-entropy, other data the KL divergence to the full path."""
     from .calibration_data import load_labelled, make_batches
     from .quality import load_head
 
@@ -122,18 +134,22 @@ def prepare_calibration(tokenizer, family: str, max_positions: int, source, samp
         raise UserError("--calib-samples and --calib-seq must be >= 2")
     levels = check_width_levels(width_levels, width_floor)
     seq = min(seq, max_positions)
+    if head_path and task_head is not None and family == ENCODER:
+        raise UserError(f"this model has its own {task_head} head: --calib-head is for "
+                        "headless encoders")
     texts, labels = load_labelled(source)
     head = load_head(head_path) if head_path else None
     if head is not None and (family != ENCODER or labels is None):
         raise UserError("--calib-head needs an encoder and JSONL calibration data with an "
                         "integer \"label\" on every line")
+    use_labels = labels is not None and (head is not None or task_head == "sequence-classification")
     batches = make_batches(tokenizer, texts, family, seq_len=seq, samples=samples,
                            batch_size=defaults["batch"],
-                           labels=labels if head is not None else None)
+                           labels=labels if use_labels else None)
     say(f"calibrating on {source}: {sum(len(b[0]) for b in batches.calibration)} samples x <= "
         f"{seq} tokens, {sum(len(b[0]) for b in batches.heldout)} held out")
     return Calibration(str(source), family, samples, seq, batches, head,
-                       str(head_path) if head_path else None, levels)
+                       str(head_path) if head_path else None, levels, task_head, use_labels)
 
 
 def choose_plans(compiled, calibration: Calibration) -> tuple[dict, list[dict]]:
@@ -212,7 +228,15 @@ def _load(model_or_path, calib, device, dtype):
         if calib is not None:
             raise UserError("calibrating needs a tokenizer: compile a checkpoint folder or a "
                             "bundled name, not a loaded module")
+        from .heads import is_pretraining_head, module_head
+
         model = model_or_path.eval()
+        family = lookup(model.config).family
+        module_head(model, family)  # refuses a head it does not know
+        if family == ENCODER and is_pretraining_head(type(model).__name__):
+            say(f"{type(model).__name__}'s pre-training head is not kept; compiling its encoder "
+                "(hidden states)")
+            model = model.base_model
         if device is not None or dtype is not None:
             model.to(device=device, dtype=dtype)
         return model, None, {"name": type(model).__name__, "path": None,
@@ -252,9 +276,12 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     arch["dtype"] = dtype_name(model_dtype)
     calibration = None
     if calib is not None:
+        from .heads import module_head
+
         calibration = prepare_calibration(tokenizer, architecture.family,
                                           dims.max_positions, calib, calib_samples, calib_seq,
-                                          width_levels, width_floor, calib_head)
+                                          width_levels, width_floor, calib_head,
+                                          module_head(model, architecture.family))
     with step(f"tracing {arch['class']} with torch.export (dynamic batch and sequence)"):
         traced = trace(model, architecture)
     arch["max_positions"] = traced.max_positions

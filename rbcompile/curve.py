@@ -76,8 +76,10 @@ def _quality(compiled, data: EvalData, gates, widths, references, classifier) ->
     for index, ((ids, mask), ref) in enumerate(zip(data.batches, references)):
         out = compiled(ids, mask, gates=gates, widths=widths)
         parts.append(quality.measure(compiled.family, out, ids, mask, ref))
-        if classifier is not None and data.labels is not None:
-            logits = quality.head_logits(classifier, out["last_hidden_state"], mask)
+        own = compiled.task_head == "sequence-classification"  # heads.SEQUENCE
+        if (classifier is not None or own) and data.labels is not None:
+            logits = (out["logits"] if classifier is None else
+                      quality.head_logits(classifier, out["last_hidden_state"], mask))
             correct += int((logits.argmax(-1) == data.labels[index]).sum())
             total += len(ids)
     result = quality.summarise(compiled.family, parts)
@@ -151,7 +153,9 @@ def sweep(compiled, data: EvalData, *, classifier=None, rounds: int = 3) -> dict
 def main_metric(family: str, rows) -> tuple[str, bool]:
     if "accuracy" in rows[0]:
         return "accuracy", True
-    return ("perplexity", False) if family == "decoder" else ("cosine", True)
+    if family == "decoder":
+        return "perplexity", False
+    return ("top1_agreement", True) if "top1_agreement" in rows[0] else ("cosine", True)
 
 
 def plot(result: dict, title: str, path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Callable
 
 from .architectures import DECODER, lookup
 from .errors import UserError, first_line
-from .progress import step
+from .progress import say, step
 
 def cache_dir() -> Path:
     """Where converted checkpoints are kept (RBCOMPILE_CACHE, default ~/.cache/rbcompile)."""
@@ -124,8 +124,12 @@ def read_config(path: Path) -> dict:
 
 
 def validate_checkpoint(path: Path) -> None:
-    """Check config.json, the architecture and every safetensors file (header and size)."""
-    lookup(read_config(path))
+    """Check config.json, the architecture, its task head and every safetensors file (header
+    and size)."""
+    from .heads import checkpoint_class, head_of
+
+    config = read_config(path)
+    head_of(checkpoint_class(config), lookup(config).family)
     weight_files = sorted(path.glob("*.safetensors"))
     if not weight_files:
         extra = " (pickle .bin weights are not loaded)" if any(path.glob("*.bin")) else ""
@@ -158,10 +162,15 @@ def load_hf_model(path: Path, dtype=None):
     """Load the checkpoint as an eval-mode transformers model in `dtype` (default fp32; no
     remote code)."""
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
 
-    family = lookup(read_config(path)).family
-    auto = AutoModelForCausalLM if family == DECODER else AutoModel
+    from .heads import auto_class, checkpoint_class, head_of, is_pretraining_head
+
+    config = read_config(path)
+    family, class_name = lookup(config).family, checkpoint_class(config)
+    auto = auto_class(head_of(class_name, family), family)  # refuses a head it does not know
+    if family != DECODER and is_pretraining_head(class_name):
+        say(f"{path}: {class_name}'s pre-training head is not kept; compiling its encoder "
+            "(hidden states)")
     with library_output():
         try:
             model = auto.from_pretrained(path, dtype=dtype or torch.float32,

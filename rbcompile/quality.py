@@ -3,7 +3,10 @@
 Decoders: next-token cross-entropy on the real tokens (lower is better; perplexity = exp) and
 top-1 agreement with the full path. Encoders: cosine of mean-pooled embeddings to the full path;
 the calibration loss is 1 - cosine. Encoders with a task head (a linear classifier over the
-pooled embedding) and labels: cross-entropy of the head, and accuracy.
+pooled embedding) and labels: cross-entropy of the head, and accuracy. Classifier artifacts
+(their own head, `logits` among the outputs): with sequence labels, cross-entropy and accuracy;
+otherwise the KL divergence of the class distribution from the full path's (per real token for
+token classification) and top-1 agreement with it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ def reference(family: str, outputs: dict, mask: torch.Tensor) -> torch.Tensor:
     """What later calls compare against: full-path top-1 tokens or pooled embeddings."""
     if family == "decoder":
         return outputs["logits"].argmax(-1)
+    if "logits" in outputs:  # a classifier artifact: the full path's class log-probabilities
+        return outputs["logits"].float().log_softmax(-1)
     return mean_pool(outputs["last_hidden_state"], mask)
 
 
@@ -48,6 +53,8 @@ def measure(family: str, outputs: dict, input_ids: torch.Tensor, mask: torch.Ten
         return {"loss_sum": F.cross_entropy(logits, labels, reduction="sum").item(),
                 "count": len(labels), "agree_sum": int((logits.argmax(-1) == labels).sum()),
                 "agree_count": len(labels)}
+    if family == "encoder" and "logits" in outputs:
+        return _own_head(outputs["logits"], mask, full_reference, labels)
     if family == "decoder":
         logits = outputs["logits"][:, :-1]
         targets = input_ids[:, 1:]
@@ -62,9 +69,30 @@ def measure(family: str, outputs: dict, input_ids: torch.Tensor, mask: torch.Ten
             "agree_sum": cosine.sum().item(), "agree_count": len(cosine)}
 
 
+def _own_head(logits: torch.Tensor, mask: torch.Tensor, full_log_probs: torch.Tensor,
+              labels=None) -> dict:
+    """A classifier artifact's logits: cross-entropy and accuracy with sequence labels, else KL
+    from the full path's distribution and top-1 agreement (real tokens only for per-token
+    logits)."""
+    log_probs = logits.float().log_softmax(-1)
+    if labels is not None and logits.dim() == 2:
+        return {"loss_sum": F.nll_loss(log_probs, labels, reduction="sum").item(),
+                "count": len(labels), "agree_sum": int((log_probs.argmax(-1) == labels).sum()),
+                "agree_count": len(labels)}
+    kl = (full_log_probs.exp() * (full_log_probs - log_probs)).sum(-1)
+    agree = log_probs.argmax(-1) == full_log_probs.argmax(-1)
+    if logits.dim() == 3:
+        real = mask.bool()
+        kl, agree = kl[real], agree[real]
+    return {"loss_sum": kl.sum().item(), "count": kl.numel(), "top1_sum": int(agree.sum()),
+            "top1_count": agree.numel()}
+
+
 def summarise(family: str, parts: list[dict], task: bool = False) -> dict:
     total = {k: sum(p[k] for p in parts) for k in parts[0]}
     loss = total["loss_sum"] / total["count"]
+    if "top1_sum" in total:  # a classifier artifact without labels
+        return {"loss": loss, "top1_agreement": total["top1_sum"] / total["top1_count"]}
     agreement = total["agree_sum"] / total["agree_count"]
     if family == "decoder":
         return {"loss": loss, "perplexity": float(torch.tensor(loss).exp()),

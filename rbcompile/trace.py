@@ -76,10 +76,8 @@ def _output_names(exported) -> list[str]:
     return names or [f"output_{i}" for i in range(out_spec.num_leaves)]
 
 
-def trace(model: torch.nn.Module, architecture: Architecture) -> TracedModel:
-    """torch.export the model with dynamic batch and sequence (1..4096 rows, 1..max positions),
-    `use_cache=False`."""
-    dims = architecture.dimensions(model.config)
+def _trace(model: torch.nn.Module, architecture: Architecture, config=None) -> TracedModel:
+    dims = architecture.dimensions(config or model.config)
     limit, family = dims.max_positions, architecture.family
     kwargs = example_inputs(architecture, dims.vocab, seq=min(8, limit),
                             device=model_placement(model)[0])
@@ -92,6 +90,36 @@ def trace(model: torch.nn.Module, architecture: Architecture) -> TracedModel:
 
     exported = _export_or_retry(export, type(model).__name__)
     return TracedModel(exported.module(), architecture.inputs, _output_names(exported), limit)
+
+
+def trace(model: torch.nn.Module, architecture: Architecture) -> TracedModel:
+    """torch.export the model with dynamic batch and sequence (1..4096 rows, 1..max positions),
+    `use_cache=False`. A classifier (heads.py) is traced for its `logits` and the encoder's
+    `last_hidden_state`, with the parameter and module paths of the classifier itself."""
+    from .heads import CLASSIFIERS, ClassifierOutputs, module_head
+
+    if module_head(model, architecture.family) not in CLASSIFIERS:
+        return _trace(model, architecture)
+    traced = _trace(ClassifierOutputs(model), architecture, model.config)
+    traced.graph_module = _strip_prefix(traced.graph_module, "model")
+    return traced
+
+
+def _strip_prefix(gm: torch.fx.GraphModule, prefix: str) -> torch.fx.GraphModule:
+    """The graph of a wrapper's submodule `prefix` as a graph over that submodule: parameter
+    targets and module paths without `prefix.`, the wrapper's own stack entry dropped."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and not node.users:  # export's `_guards_fn` check
+            gm.graph.erase_node(node)
+        elif node.op == "get_attr":
+            node.target = node.target[len(prefix) + 1:]
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = {
+                key: ("" if path == prefix else path[len(prefix) + 1:], kind)
+                for key, (path, kind) in stack.items()
+                if path == prefix or path.startswith(prefix + ".")}
+    return torch.fx.GraphModule(gm.get_submodule(prefix), gm.graph)
 
 
 # ---- decoders with a static KV cache -----------------------------------------------------------

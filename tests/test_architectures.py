@@ -26,6 +26,9 @@ def _tiny(model_type: str):
 
     if model_type in ("llama", "gpt2", "bert"):
         return make_tiny_model(model_type)
+    if model_type in ("roberta", "distilbert"):  # encoders: tests/test_task_heads.py
+        from test_task_heads import make_encoder
+        return make_encoder(model_type)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(_extra_config(model_type)).eval()
 
@@ -37,11 +40,13 @@ def test_dimensions_and_width_parameters_match_a_real_model(model_type):
     assert architecture.model_type == model_type
     dims = architecture.dimensions(model.config)
     attention = next(m for m in model.modules() if hasattr(m, "head_dim")
-                     or type(m).__name__ in ("BertSelfAttention", "GPT2Attention"))
+                     or type(m).__name__ in ("BertSelfAttention", "GPT2Attention",
+                                             "RobertaSelfAttention",
+                                             "DistilBertSelfAttention", "MultiHeadSelfAttention"))
     assert dims.layers == 2 if model_type in ("mistral", "qwen2") else dims.layers == 4
     assert (dims.hidden, dims.heads, dims.vocab, dims.max_positions) == (32, 4, TINY_VOCAB, 64)
     assert dims.head_dim == getattr(attention, "head_dim", 32 // 4)
-    assert dims.kv_heads == (2 if model_type != "gpt2" and model_type != "bert" else 4)
+    assert dims.kv_heads == (4 if model_type in ("gpt2", "bert", "roberta", "distilbert") else 2)
     parameters = dict(model.named_parameters())
 
     def in_blocks(suffix):  # `suffix` right under a numbered block (model.layers.3.<suffix>)
@@ -66,7 +71,7 @@ def test_unknown_model_type_says_where_to_add_a_record():
         lookup({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]})
     message = str(error.value)
     assert "model_type='t5' (T5ForConditionalGeneration)" in message
-    assert "supported: bert, gpt2, llama, mistral, qwen2" in message
+    assert f"supported: {', '.join(sorted(REGISTRY))}" in message
     assert "rbcompile/architectures.py" in message
 
 
