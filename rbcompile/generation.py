@@ -10,9 +10,9 @@ prefill, then decode steps, finished rows leave the batch) asks a speculation po
 drafter to use, the drafter proposes tokens (n-gram lookup, or the light path run on the same
 cache), the `ModelRunner` runs the full step on [last token + drafts], `verify` keeps the drafts
 the full path agrees with, and the `StaticKVCache` commits the kept slots. All rows share the
-cache's slot index, so a step keeps the minimum number of drafts kept over the rows; a row's
-extra accepted tokens are re-derived on the next step (lossless: greedy is deterministic, and
-sampling re-draws from the right conditional).
+cache's slot index, and each row keeps its own drafts: the batch advances past the most kept,
+and the cache masks, per row, the slots of drafts that row rejected (no K/V moves; positions are
+tracked per row).
 """
 from __future__ import annotations
 
@@ -58,11 +58,12 @@ class GenerationStats:
         """Tokens per row per decode step (1 + accepted drafts; 1.0 without speculation)."""
         return self.step_tokens / self.decode_steps if self.decode_steps else 0.0
 
-    def record_step(self, mode: str, rows: int, tokens: int, drafted: int, kept: int) -> None:
+    def record_step(self, mode: str, rows: int, tokens: float, drafted: int, kept: float) -> None:
+        """A full-path step: `tokens` emitted and `kept` drafts kept per row (means)."""
         self.decode_steps += 1
         self.step_tokens += tokens
         self.drafted += drafted * rows
-        self.accepted += kept * rows
+        self.accepted += round(kept * rows)
         self.steps_by_mode[mode] = self.steps_by_mode.get(mode, 0) + 1
 
 
@@ -309,7 +310,7 @@ class Scheduler:
         while self.rows:
             mode = self.policy.choose()
             started = perf_counter()
-            emitted, drafted, kept = self._decode_step(self.drafters.get(mode))
+            emitted, drafted, kept = self._decode_step(self.drafters.get(mode))   # kept: mean per row
             self.policy.record(mode, kept + 1, perf_counter() - started, drafted, kept)
             self.stats.record_step(mode, len(self.rows), kept + 1, drafted, kept)
             yield from self._emit(self._advance(emitted))
@@ -325,23 +326,24 @@ class Scheduler:
         return GenerationResult(tokens, [p + t for p, t in zip(self.prompts, tokens)], texts, self.stats)
 
     def _decode_step(self, drafter: Drafter | None):
-        """Run one full step; (tokens each row emits, drafts per row, drafts kept)."""
-        budget = min(self.draft_tokens, self.criteria.max_new_tokens - len(self.rows[0].tokens) - 1,
-                     self.cache.max_len - self.cache.length - 1)
+        """Run one full step; (tokens each row emits, drafts per row, mean drafts kept per
+        row). Each row keeps its own drafts (the cache masks what a row rejected)."""
+        budget = min(self.draft_tokens,
+                     max(self.criteria.max_new_tokens - len(row.tokens) for row in self.rows) - 1)
         drafts = drafter.propose(self.pending, budget) if drafter and budget > 0 else None
         if drafts is None:
             logits = self.runner.forward(self.pending[:, None])
             self.cache.commit(1)
-            return [[token] for token in self.sampling.choose(logits[:, -1], self.generator).tolist()], 0, 0
+            return [[token] for token in self.sampling.choose(logits[:, -1], self.generator).tolist()], 0, 0.0
         logits = self.runner.forward(torch.cat([self.pending[:, None], drafts.tokens], 1))
         verdicts = [verify(self.sampling, logits[row], drafts.tokens[row],
                            None if drafts.probs is None else drafts.probs[row], self.generator)
                     for row in range(len(self.rows))]
-        kept = min(row_kept for row_kept, _ in verdicts)
-        emitted = [draft[:kept] + [draft[kept] if row_kept > kept else following]
+        kept = [row_kept for row_kept, _ in verdicts]
+        emitted = [draft[:row_kept] + [following]
                    for draft, (row_kept, following) in zip(drafts.tokens.tolist(), verdicts)]
-        self.cache.commit(kept + 1)
-        return emitted, drafts.tokens.shape[1], kept
+        self.cache.commit_rows(kept)
+        return emitted, drafts.tokens.shape[1], sum(kept) / len(kept)
 
     def _advance(self, emitted: list[list[int]]) -> list[tuple[int, int]]:
         """Append each row's emitted tokens up to where it finishes; drop finished rows.

@@ -39,47 +39,73 @@ class DecoderShape:
 
 
 class StaticKVCache:
-    """K/V tensors [batch, kv_heads, max_len, head_dim] (k0, v0, k1, v1, ...), the committed
-    length, and each row's number of left-pad slots (`pads`)."""
+    """K/V tensors [batch, kv_heads, slots, head_dim] (k0, v0, k1, v1, ...), the committed
+    length, each row's next position, and the attention mask [batch, slots]: 0 on each row's
+    left-pad slots and on the slots of drafts that row rejected while another row kept them
+    (so rows of one batch keep different numbers of drafts without moving any K/V). The slot
+    axis grows in `block`s when a step needs more."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int,
-                 pads: torch.Tensor, dtype=torch.float32, device="cpu"):
+                 pads: torch.Tensor, dtype=torch.float32, device="cpu", block: int = 64):
         batch = pads.shape[0]
+        self.block = block
         self.tensors = [torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
                         for _ in range(2 * layers)]
-        self.pads = pads.to(device=device, dtype=torch.long)
-        self.attention_mask = (torch.arange(max_len, device=device)[None] >= self.pads[:, None]).long()
+        pads = pads.to(device=device, dtype=torch.long)
+        self.positions = -pads   # each row's position at slot `length` (negative over its pads)
+        self.attention_mask = (torch.arange(max_len, device=device)[None] >= pads[:, None]).long()
         self.length = 0
 
     @property
     def batch(self) -> int:
-        return self.pads.shape[0]
+        return self.positions.shape[0]
 
     @property
     def max_len(self) -> int:
         return self.attention_mask.shape[1]
 
     def inputs(self, tokens: int, offset: int = 0):
-        """(attention_mask [B, max_len], position_ids [B, T], cache_position [T]) for `tokens`
+        """(attention_mask [B, slots], position_ids [B, T], cache_position [T]) for `tokens`
         tokens written from slot `length + offset` on; pad slots get position 0, like HF."""
         start = self.length + offset
-        if start + tokens > self.max_len:
-            raise ValueError(f"slots {start}..{start + tokens - 1} past the cache's {self.max_len}")
-        cache_position = torch.arange(start, start + tokens, device=self.pads.device)
-        position_ids = (cache_position[None] - self.pads[:, None]).clamp_min(0)
+        self.reserve(start + tokens)
+        cache_position = torch.arange(start, start + tokens, device=self.positions.device)
+        steps = torch.arange(offset, offset + tokens, device=self.positions.device)
+        position_ids = (self.positions[:, None] + steps[None]).clamp_min(0)
         return self.attention_mask, position_ids, cache_position
 
     def commit(self, tokens: int) -> None:
-        """The next `tokens` slots now hold K/V of accepted tokens."""
-        if self.length + tokens > self.max_len:
-            raise ValueError(f"committing {tokens} slots past the cache's {self.max_len}")
+        """The next `tokens` slots of every row now hold K/V of accepted tokens."""
+        self.reserve(self.length + tokens)
         self.length += tokens
+        self.positions += tokens
+
+    def commit_rows(self, kept: list[int]) -> None:
+        """After a verification step (a pending token and drafts written from slot `length`):
+        row i keeps its pending token and `kept[i]` drafts. The batch advances past the most
+        kept; each row's rejected slots before that are masked."""
+        most = max(kept)
+        for row, count in enumerate(kept):
+            if count < most:
+                self.attention_mask[row, self.length + count + 1:self.length + most + 1] = 0
+        self.length += most + 1
+        self.positions += torch.tensor(kept, device=self.positions.device) + 1
+
+    def reserve(self, slots: int) -> None:
+        """At least `slots` slots (grown in whole blocks; new slots unmasked)."""
+        if slots <= self.max_len:
+            return
+        extra = -(-(slots - self.max_len) // self.block) * self.block
+        self.tensors = [torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)
+                        for t in self.tensors]
+        self.attention_mask = torch.cat(
+            [self.attention_mask, self.attention_mask.new_ones(self.batch, extra)], 1)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (finished rows leave the batch)."""
-        rows = rows.to(self.pads.device)
+        rows = rows.to(self.positions.device)
         self.tensors = [t.index_select(0, rows) for t in self.tensors]
-        self.pads = self.pads.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
         self.attention_mask = self.attention_mask.index_select(0, rows)
 
 
@@ -89,10 +115,11 @@ class BatchKVCache:
     `rows` rows are allocated; the first `active` are in use and all share the slot index:
     slot `length` is the next one written. A request joins by a prefill written straight into
     row `active` at slots [length - P, length), so its left pad is `length - P` (slots before it
-    are masked; positions are slot - pad, as in StaticKVCache). A row leaves by the last active
-    row being copied into its place. The slot axis grows in `block`s when full, after first
-    trying to compact it: moving every row's slots left by the smallest pad changes no
-    attention score (positions travel with the keys, masks with the pads)."""
+    are masked; positions are slot - pad, as in StaticKVCache), or as a copy of a row that
+    joined (`fork`). A row leaves by the last active row being copied into its place. The slot
+    axis grows in `block`s when full, after first trying to compact it: moving every row's
+    slots left by the smallest pad changes no attention score (positions travel with the keys,
+    masks with the pads)."""
 
     def __init__(self, shape: DecoderShape, rows: int, block: int = 64):
         self.shape, self.rows, self.block = shape, rows, block
@@ -149,6 +176,18 @@ class BatchKVCache:
     def join(self) -> None:
         """Row `active` (filled by a prefill after `place`) joins the batch."""
         self.active += 1
+
+    def fork(self, row: int) -> int:
+        """Row `active` becomes a copy of active row `row` (its pad and its slots up to
+        `length`) and joins the batch; returns it. Samples of one prompt share its prefill so."""
+        if self.active == self.rows:
+            raise ValueError(f"all {self.rows} rows are in use")
+        copy, start = self.active, int(self.pads[row])
+        for tensor in self.tensors:
+            tensor[copy, :, start:self.length].copy_(tensor[row, :, start:self.length])
+        self.pads[copy] = self.pads[row]
+        self.active += 1
+        return copy
 
     def leave(self, row: int) -> None:
         """Row `row` leaves; the last active row takes its place."""

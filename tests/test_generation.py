@@ -310,3 +310,38 @@ def test_auto_keeps_speculation_only_when_it_pays(stride, drafts_match):
     else:
         assert stats.drafted > 0 and stats.accepted == 0
         assert stats.steps_by_mode["off"] > 0.85 * stats.decode_steps, stats.steps_by_mode
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_rows_keep_different_numbers_of_drafts(models, arch):
+    """Self-drafting on a batch: rows keep different numbers of drafts in one step, the cache
+    masks each row's rejected slots (holes past its pads), and every row's tokens are still
+    HF generate's; the slot axis grows past its first allocation when it must."""
+    model = models[arch]
+    ids, mask = left_pad(BATCH)
+    light = functools.partial(eager_step, model, gates=LIGHT_GATES)
+    events = stream(functools.partial(eager_step, model), ids, mask, eos_token_ids=[EOS],
+                    shape=DecoderShape.from_config(model.config), max_new_tokens=16,
+                    speculate="self", draft_step=light, draft_threshold=0.0)
+    kept_per_step = []
+    verify_step = events._decode_step
+
+    def recording(drafter):
+        emitted, drafted, kept = verify_step(drafter)
+        kept_per_step.append([len(tokens) - 1 for tokens in emitted])
+        return emitted, drafted, kept
+
+    events._decode_step = recording
+    result = generate_all(events)
+    assert result.tokens == hf_tokens(model, BATCH, 16)
+    assert any(len(set(kept)) > 1 for kept in kept_per_step)           # rows kept different counts
+    cache = events.cache   # the rows still in it: masked slots after a row's first real one
+    holes = [int((row[int(row.argmax()):cache.length] == 0).sum()) for row in cache.attention_mask]
+    assert sum(holes) > 0
+    assert cache.max_len > ids.shape[1] + 16                            # it grew
+
+
+def generate_all(events):
+    for _ in events:
+        pass
+    return events.result()
