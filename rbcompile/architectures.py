@@ -158,9 +158,19 @@ def lookup(config) -> Architecture:
     if model_type in REGISTRY:
         return REGISTRY[model_type]
     classes = ",".join(read("architectures", None) or []) or "?"
-    raise UserError(f"unsupported architecture: model_type={model_type!r} ({classes}); "
+    missing = f"; {NOT_EXPRESSIBLE[model_type]}" if model_type in NOT_EXPRESSIBLE else ""
+    raise UserError(f"unsupported architecture: model_type={model_type!r} ({classes}){missing}; "
                     f"supported: {', '.join(sorted(REGISTRY))}; adding one is an Architecture "
                     "record in rbcompile/architectures.py")
+
+
+# model types a record alone cannot add: what the passes lack for them
+NOT_EXPRESSIBLE = {
+    "deberta-v2": "its disentangled attention updates tensors in place (aten.add_ of the "
+                  "relative-position scores, detach_ of lifted constants), which discover_blocks "
+                  "takes for K/V-cache writes, so a layer exports more than its residual stream "
+                  "(missing: a pass that functionalises in-place ops on layer-local tensors)",
+}
 
 
 def all_kv_projections() -> tuple[str, ...]:

@@ -209,3 +209,14 @@ def test_token_classifier_calibrates_on_kl_to_the_full_path(checkpoints, calib_f
     assert compiled.manifest["calibration"]["loss"].endswith("KL divergence to the full path's "
                                                               "class distribution")
     assert compiled.manifest["calibration"]["base"] == {"loss": 0.0, "top1_agreement": 1.0}
+
+
+def test_deberta_v2_refusal_names_the_missing_piece():
+    from rbcompile.architectures import lookup
+    from rbcompile.errors import UserError
+
+    with pytest.raises(UserError) as error:
+        lookup({"model_type": "deberta-v2", "architectures": ["DebertaV2ForSequenceClassification"]})
+    message = str(error.value)
+    assert "\n" not in message and "model_type='deberta-v2'" in message
+    assert "in place" in message and "functionalises in-place ops" in message
