@@ -93,8 +93,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="calibration samples (decoders: windows; encoders: paragraphs)")
     p.add_argument("--calib-seq", type=int, default=None, help="tokens per calibration sample")
     p.add_argument("--calib-head", metavar="HEAD",
-                   help="encoders: a linear classifier head (safetensors: weight, bias); with "
-                   "labelled JSONL calibration data, calibrate on its task loss")
+                   help="headless encoders: a linear classifier head (safetensors: weight, "
+                   "bias); with labelled JSONL calibration data, calibrate on its task loss (a "
+                   "classifier checkpoint calibrates on its own head)")
     p.add_argument("--width-levels", type=_levels, default="0.75,0.5",
                    help="with --calib: narrower widths each region may run at (default 0.75,0.5)")
     p.add_argument("--width-floor", type=float, default=0.5,
