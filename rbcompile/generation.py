@@ -124,18 +124,21 @@ class Drafter:
 
 
 class NGramProposer(Drafter):
-    """Prompt lookup per row (`NGramDrafter`); drafts are cut to the shortest row's proposal,
-    since a step cannot keep more drafts than its shortest row has."""
+    """Prompt lookup per row (`NGramDrafter`). A step verifies as many drafts as the longest
+    proposal has; shorter ones (or none) are filled with the row's pending token, drafts like
+    any other that the full path keeps only where it agrees (so filling is lossless)."""
 
     def __init__(self, prompts: list[list[int]]):
         self.drafters = [NGramDrafter(prompt) for prompt in prompts]
 
     def propose(self, pending, limit):
         proposals = [drafter.propose(limit) for drafter in self.drafters]
-        length = min(len(proposal) for proposal in proposals)
+        length = max(len(proposal) for proposal in proposals)
         if not length:
             return None
-        return Drafts(torch.tensor([p[:length] for p in proposals], device=pending.device))
+        filled = [proposal + [token] * (length - len(proposal))
+                  for proposal, token in zip(proposals, pending.tolist())]
+        return Drafts(torch.tensor(filled, device=pending.device))
 
     def observe(self, emitted):
         for drafter, tokens in zip(self.drafters, emitted):

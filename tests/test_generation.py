@@ -3,6 +3,7 @@ fed with the engine's tensors): greedy parity with HF `generate` for every specu
 rows leaving the batch, cache rollback after rejected drafts, sampling reproducibility and
 distribution, stop strings, bad input, and `auto` falling back to plain decoding."""
 import functools
+import time
 
 import pytest
 import torch
@@ -277,13 +278,15 @@ def test_bad_input_is_a_one_line_user_error(models, options, message):
 
 
 class StrideModel:
-    """A fake step: after token t comes (t + stride) mod vocab, with certainty."""
+    """A fake step: after token t comes (t + stride) mod vocab, with certainty. Each call takes
+    2 ms, as a forward would, so auto's timings are not noise from a busy machine."""
 
     def __init__(self, stride):
         self.stride = stride
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, logit_positions, kv,
                  gates=None):
+        time.sleep(0.002)
         following = (input_ids[:, logit_positions] + self.stride) % TINY_VOCAB
         return torch.nn.functional.one_hot(following, TINY_VOCAB).float() * 20
 
