@@ -99,6 +99,13 @@ def validate(manifest: dict, where) -> None:
     for key in ("vocab_size", "max_positions"):
         if not isinstance(arch.get(key), int) or arch[key] < 1:
             _fail(where, f"architecture.{key} must be a positive integer")
+    if arch.get("head") not in (None, "sequence-classification", "token-classification",
+                                "causal-lm"):
+        _fail(where, f"architecture.head {arch.get('head')!r} is not a known task head")
+    names = arch.get("labels")
+    if names is not None and not (isinstance(names, list) and names
+                                  and all(isinstance(n, str) for n in names)):
+        _fail(where, "architecture.labels must be a non-empty list of label names")
     source = manifest.get("source")
     if not isinstance(source, dict) or not isinstance(source.get("name"), str):
         _fail(where, "source.name missing")

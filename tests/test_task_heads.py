@@ -220,3 +220,14 @@ def test_deberta_v2_refusal_names_the_missing_piece():
     message = str(error.value)
     assert "\n" not in message and "model_type='deberta-v2'" in message
     assert "in place" in message and "functionalises in-place ops" in message
+
+
+def test_edited_labels_in_the_manifest_are_refused(bert_classifier, tmp_path):
+    from rbcompile import manifest as manifests
+    from rbcompile.errors import UserError
+
+    folder = bert_classifier.save(tmp_path / "clf")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["architecture"]["labels"] = "positive"
+    with pytest.raises(UserError, match="architecture.labels must be"):
+        manifests.validate(manifest, folder / "manifest.json")
