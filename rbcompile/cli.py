@@ -294,6 +294,9 @@ def _cmd_inspect(args) -> None:
     calibrated = "calibrated plans" if manifest.get("plans") else "fixed skip order (no --calib)"
     print(f"{manifest['source']['name']}: {arch['class']} ({arch['model_type']}, {arch['family']}), "
           f"{arch['layers']} layers, sha256 {manifest['source']['sha256'][:12]}, {calibrated}")
+    if arch.get("labels"):
+        print(f"  {arch['head']} head, {len(arch['labels'])} labels: "
+              f"{', '.join(arch['labels'][:8])}{', ...' if len(arch['labels']) > 8 else ''}")
     if args.verbose:
         rows = _region_rows(regions, setting)
         widths_ = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -141,6 +141,8 @@ def test_run_prints_label_and_probability(checkpoints, tmp_path, capsys):
     out = tmp_path / "clf"
     assert main(["compile", str(checkpoints["bert", "SequenceClassification"]), "-o", str(out)]) == 0
     capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "sequence-classification head, 3 labels: negative, neutral, positive" in capsys.readouterr().out
     assert main(["run", str(out), "--text", "the cat was here", "--text", "a dog"]) == 0
     lines = capsys.readouterr().out.splitlines()
     compiled = rbcompile.load(out)
