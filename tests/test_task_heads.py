@@ -233,3 +233,15 @@ def test_edited_labels_in_the_manifest_are_refused(bert_classifier, tmp_path):
     manifest["architecture"]["labels"] = "positive"
     with pytest.raises(UserError, match="architecture.labels must be"):
         manifests.validate(manifest, folder / "manifest.json")
+
+
+def test_pretraining_head_compiles_the_encoder_and_says_so(tmp_path, capsys):
+    from transformers import AutoModelForMaskedLM
+
+    torch.manual_seed(0)
+    folder = save_checkpoint(AutoModelForMaskedLM.from_config(tiny_config("bert")), tmp_path / "mlm")
+    capsys.readouterr()
+    compiled = rbcompile.compile(folder)
+    assert "BertForMaskedLM's pre-training head is not kept" in capsys.readouterr().err
+    assert compiled.task_head is None and compiled.labels is None
+    assert "logits" not in compiled.output_names and "last_hidden_state" in compiled.output_names
