@@ -208,7 +208,8 @@ class CompiledModel:
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop=None,
                  budget: float | None = None, speculate: str = "off",
-                 draft_budget: float | None = None, stream: bool = False):
+                 draft_budget: float | None = None, stream: bool = False,
+                 consistency="off", vote=None):
         """Generate with the artifact's KV-cached decoder (rbcompile/generation.py): a
         `GenerationResult` (new tokens per row, full sequences, texts cut at a stop string,
         stats: tokens/s, drafted, accepted), or with `stream=True` an iterator of (row, token)
@@ -220,7 +221,13 @@ class CompiledModel:
         acceptance, off when drafting does not pay). `draft_budget` defaults to the plan
         calibration chose (`decoder.draft`; "auto" leaves self-drafting out when calibration
         found that no plan pays), else SELF_DRAFT_BUDGET. Greedy output is the full path's
-        token for token whatever the drafter; sampling keeps its distribution."""
+        token for token whatever the drafter; sampling keeps its distribution.
+
+        `consistency`: "off", or 1, 3 or 7 samples of one prompt voted on (self-consistency,
+        rbcompile/consistency.py: one prefill shared by the samples, sample i seeded seed + i,
+        early stop once the vote is decided): a `ConsistencyResult` (the voted answer, its
+        votes, the samples, stats); `vote` (`VoteOptions`) sets answer extraction, the semantic
+        tie-break and the early stop."""
         from functools import partial
 
         from .generation import generate, stream as stream_tokens
@@ -230,6 +237,15 @@ class CompiledModel:
             raise UserError("generate needs a decoder artifact with a KV-cached decoder "
                             "(recompile it with this rbcompile)")
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
+        if consistency != "off" or vote is not None:
+            from .consistency import generate_voted
+
+            if consistency == "off":
+                raise UserError("vote options need consistency=1, 3 or 7")
+            return generate_voted(self, input_ids, attention_mask, consistency, vote=vote,
+                                  speculate=speculate, stream=stream,
+                                  max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                  budget=budget)
         gates = self.decoder_gates(budget)
         draft = None
         if draft_budget is None and self.decoder.draft is not None:

@@ -5,7 +5,9 @@ Calls go one way. `BatchEngine.step()` admits waiting requests, highest priority
 first, then by arrival (a batch-1 prefill each,
 written straight into the `BatchKVCache` row the request will decode in, after the blocks of
 its prompt the `PrefixCache` holds are copied there; its first token comes from that prefill), runs one decode step over every running row, hands each row its token, and
-lets finished or cancelled rows leave. Any thread may `submit` / `cancel`; one thread (the
+lets finished or cancelled rows leave. A group of requests on one prompt (`submit_samples`:
+the samples of self-consistency) joins with one prefill: its row is forked into one row per
+request, and each draws its first token from the same logits with its own generator. Any thread may `submit` / `cancel`; one thread (the
 server's model thread) calls `step` while `has_work`, and waits on `wake` otherwise. A row's
 tokens are those it would get alone: rows share only the step, never each other's keys (each row's
 mask starts at its own pad). Every forward (prefill or decode step) runs the plan of the
@@ -97,19 +99,38 @@ class BatchEngine:
 
     def submit(self, request: EngineRequest) -> EngineRequest:
         """Queue `request`; bad input raises a one-line UserError here, before it is queued."""
-        if not request.prompt:
-            raise UserError("the prompt is empty (0 tokens)")
-        check_lengths(len(request.prompt), request.max_new_tokens, self.shape.max_positions, None)
-        check_stop(request.stop, self.decode)
-        self.criteria[request] = StopCriteria(request.max_new_tokens, self.eos, list(request.stop),
-                                              self.decode)
-        self.generators[request] = request.sampling.generator(self.shape.device)
+        self._queue([request])
+        return request
+
+    def submit_samples(self, requests: list[EngineRequest]) -> list[EngineRequest]:
+        """Queue requests on one prompt as one group: they join together when there are rows
+        for all of them (at the most urgent priority among them), with one prefill whose row
+        is forked into one row per request; each draws its first token from that prefill's
+        logits with its own generator, so each gets the tokens it would get alone."""
+        if not 1 <= len(requests) <= self.max_batch:
+            raise UserError(f"a group of {len(requests)} samples needs as many rows: between 1 "
+                            f"and max_batch ({self.max_batch})")
+        if any(request.prompt != requests[0].prompt for request in requests):
+            raise UserError("the samples of one group must share one prompt")
+        self._queue(requests)
+        return requests
+
+    def _queue(self, group: list[EngineRequest]) -> None:
+        for request in group:
+            if not request.prompt:
+                raise UserError("the prompt is empty (0 tokens)")
+            check_lengths(len(request.prompt), request.max_new_tokens, self.shape.max_positions, None)
+            check_stop(request.stop, self.decode)
+        for request in group:
+            self.criteria[request] = StopCriteria(request.max_new_tokens, self.eos,
+                                                  list(request.stop), self.decode)
+            self.generators[request] = request.sampling.generator(self.shape.device)
+        priority = min(request.priority for request in group)
         with self.wake:
-            heapq.heappush(self.waiting, (request.priority, next(self.arrivals), request))
+            heapq.heappush(self.waiting, (priority, next(self.arrivals), tuple(group)))
             self.wake.notify()
         if self.controller is not None:
             self.controller.arrived()
-        return request
 
     def cancel(self, request: EngineRequest) -> None:
         """Stop `request` at the next step (a client gone); its row is freed."""
@@ -119,13 +140,14 @@ class BatchEngine:
 
     @property
     def queued(self) -> int:
-        return len(self.waiting)
+        """Requests waiting for a row."""
+        return sum(len(group) for _, _, group in self.waiting)
 
     def queued_by_priority(self) -> dict[int, int]:
         with self.wake:
             counts: dict[int, int] = {}
-            for priority, _, _ in self.waiting:
-                counts[priority] = counts.get(priority, 0) + 1
+            for priority, _, group in self.waiting:
+                counts[priority] = counts.get(priority, 0) + len(group)
         return counts
 
     @property
@@ -151,19 +173,28 @@ class BatchEngine:
             raise
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
+        """Waiting groups join in queue order while the next one has rows for all its requests."""
+        while True:
             with self.wake:
-                request = heapq.heappop(self.waiting)[2]
-            if request.cancelled:
-                self._finish(request, "cancelled")
-                continue
-            self.running.append(request)   # before the prefill: a failing one fails it too
-            self._prefill(request)
+                if not self.waiting or len(self.running) + len(self.waiting[0][2]) > self.max_batch:
+                    break
+                group = heapq.heappop(self.waiting)[2]
+            joining = []
+            for request in group:
+                if request.cancelled:
+                    self._finish(request, "cancelled")
+                else:
+                    joining.append(request)
+            if joining:
+                self.running.extend(joining)   # before the prefill: a failing one fails them too
+                self._prefill(joining)
         self._leave_finished()
 
-    def _prefill(self, request: EngineRequest) -> None:
-        """Write the prompt's K/V into a new row (cached prefix blocks copied, the rest run)
-        and emit the first token."""
+    def _prefill(self, group: list[EngineRequest]) -> None:
+        """Write the group's prompt K/V into a new row (cached prefix blocks copied, the rest
+        run), fork that row for each other request of the group, and emit each one's first
+        token."""
+        request = group[0]
         device, count, gates = self.shape.device, len(request.prompt), self._batch_gates()
         blocks = self.prefix_cache.lookup(request.prompt, gates) if self.prefix_cache else []
         reused = len(blocks) * (self.prefix_cache.block_tokens if blocks else 0)
@@ -178,11 +209,14 @@ class BatchEngine:
                               torch.tensor([count - reused - 1], device=device),
                               self.cache.views(rows), gates=gates)
         self.cache.join()
+        for _ in group[1:]:
+            self.cache.fork(row)
         if self.prefix_cache is not None:
             self.prefix_cache.insert(request.prompt, gates, self.cache.prompt_kv(row, count))
         self.stats.prefills += 1
         self.stats.reused_prompt_tokens += reused
-        self._emit(request, int(request.sampling.choose(logits[:, -1], self.generators[request])))
+        for sample in group:
+            self._emit(sample, int(sample.sampling.choose(logits[:, -1], self.generators[sample])))
 
     def _decode(self) -> None:
         cache, device, started = self.cache, self.shape.device, perf_counter()
