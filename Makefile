@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test bench curves tidal engines clean
+.PHONY: install demo test test-ray bench curves tidal engines clean
 
 install: $(STAMP)
 
@@ -28,6 +28,24 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# `serve --ray` on a local 2-replica Ray Serve app. A venv of its own: ray[serve] adds uvicorn's
+# uvloop and httptools, which would change what `rbcompile serve` runs on in $(VENV). Every
+# version is pinned: constraints.txt, and constraints-ray.txt for ray and what it adds.
+RAY_VENV := .venv-ray
+RAY_PY := $(RAY_VENV)/bin/python
+RAY_STAMP := $(RAY_VENV)/.installed
+
+$(RAY_STAMP): pyproject.toml constraints.txt constraints-ray.txt
+	$(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_PY) -m pip install --quiet --upgrade pip
+	$(RAY_PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	PYTHONWARNINGS=ignore::UserWarning $(RAY_PY) -m pip install --quiet -c constraints.txt \
+		-c constraints-ray.txt -e ".[dev,serve,ray]"
+	touch $(RAY_STAMP)
+
+test-ray: $(RAY_STAMP)
+	$(RAY_PY) -m pytest -q tests/test_ray_serve.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_latency.py

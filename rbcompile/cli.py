@@ -205,6 +205,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ms", type=float, default=100.0, help="decode-step (inter-token) latency "
                    "objective of the pid policy (default 100)")
     p.add_argument("--policy-file", metavar="DIR", help="ppo: a folder written by train-policy")
+    p.add_argument("--ray", action="store_true", help="serve --replicas copies under Ray Serve, "
+                   "its proxy on --host / --port, one controller for all (the 'ray' extra)")
+    p.add_argument("--replicas", type=int, default=None, help="--ray: replicas, each loading the "
+                   "artifact (default 2; the path must be readable on every node)")
+    p.add_argument("--ray-address", metavar="ADDR", help="--ray: the cluster (auto, "
+                   "ray://HEAD:10001; default: start Ray on this machine)")
+    p.add_argument("--replica-cpus", type=float, default=None, help="--ray: CPUs each replica "
+                   "reserves (default 1)")
 
     p = sub.add_parser("verify", help="check an artifact without running it: every file's "
                        "sha256, the manifest's schema, the generated code and the weights")
@@ -512,6 +520,10 @@ def _cmd_serve(args) -> None:
         raise UserError("--max-body-bytes, --max-tokens-limit and --max-batch must be >= 1")
     if not args.prefix_cache_mb >= 0:
         raise UserError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if args.ray:
+        return _serve_ray(args, api_key)
+    if args.replicas is not None or args.ray_address or args.replica_cpus is not None:
+        raise UserError("--replicas, --ray-address and --replica-cpus go with --ray")
     try:
         import uvicorn
         from rbcompile.runtime.http import ServeLimits, create_app
@@ -526,6 +538,19 @@ def _cmd_serve(args) -> None:
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     _serve_until_signalled(partial(uvicorn.run, app, host=args.host, port=args.port, log_level="info"))
+
+
+def _serve_ray(args, api_key: str | None) -> None:
+    """`serve --ray`: replicas under Ray Serve, one controller (runtime/ray_serving.py)."""
+    from .errors import UserError
+    from .runtime.ray_serving import import_ray, serve_on_ray
+
+    args.replicas = 2 if args.replicas is None else args.replicas
+    args.replica_cpus = 1.0 if args.replica_cpus is None else args.replica_cpus
+    if args.replicas < 1 or not args.replica_cpus > 0:
+        raise UserError("--replicas must be >= 1 and --replica-cpus > 0")
+    import_ray()  # the one-line error without the extra, before anything starts
+    serve_on_ray(args, api_key)
 
 
 def _serve_policy(args, model):
