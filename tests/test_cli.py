@@ -137,7 +137,7 @@ def _broken_checkpoint(tiny_checkpoints, tmp_path, how):
     ("no-config", "missing config.json"),
     ("bad-config", "corrupt JSON"),
     ("unknown-arch", "unsupported architecture: model_type='t5' (T5ForConditionalGeneration); "
-                     "supported: bert, gpt2, llama, mistral, qwen2"),
+                     "supported: bert, "),  # the rest: every record (test_architectures.py)
 ])
 def test_compile_bad_checkpoint(tiny_checkpoints, tmp_path, capsys, how, message):
     path = _broken_checkpoint(tiny_checkpoints, tmp_path, how)
