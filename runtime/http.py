@@ -681,23 +681,29 @@ class _Service:
             raise ApiError(503, str(exc), code="overloaded") from None
 
     def _batched(self, body, batch, stop: list[str], max_tokens: int) -> "_TokenRun":
-        """The choices as requests of the continuous-batching engine; choice i samples with
-        seed `seed + i` (its own generator: the same prompt, seed and choice index give the
-        same text whatever else is in the batch)."""
+        """The choices as requests of the continuous-batching engine, the n choices of a prompt
+        as one group that shares its prefill (when the batch has rows for all n); choice i
+        samples with seed `seed + i` (its own generator: the same prompt, seed and choice index
+        give the same text whatever else is in the batch)."""
         engine, loop, queue = self.worker.engine, asyncio.get_running_loop(), asyncio.Queue()
-        prompts = [row[mask.bool()].tolist() for row, mask in
-                   zip(batch["input_ids"], batch["attention_mask"]) for _ in range(body.n)]
         requests = []
         try:
-            for index, prompt in enumerate(prompts):
-                sampling = SamplingConfig(body.temperature > 0, body.temperature or 1.0, None,
-                                          body.top_p if body.top_p < 1 else None,
-                                          None if body.seed is None else body.seed + index)
-                requests.append(engine.submit(EngineRequest(
-                    prompt, max_tokens, sampling, stop, body.rbcompile.budget,
-                    priority=QOS_CLASSES.index(body.rbcompile.qos),
-                    on_token=partial(_deliver, loop, queue, index),
-                    on_finish=lambda request, index=index: _deliver(loop, queue, index, None))))
+            for row, mask in zip(batch["input_ids"], batch["attention_mask"]):
+                prompt, group = row[mask.bool()].tolist(), []
+                for _ in range(body.n):
+                    index = len(requests) + len(group)
+                    sampling = SamplingConfig(body.temperature > 0, body.temperature or 1.0, None,
+                                              body.top_p if body.top_p < 1 else None,
+                                              None if body.seed is None else body.seed + index)
+                    group.append(EngineRequest(
+                        prompt, max_tokens, sampling, stop, body.rbcompile.budget,
+                        priority=QOS_CLASSES.index(body.rbcompile.qos),
+                        on_token=partial(_deliver, loop, queue, index),
+                        on_finish=lambda request, index=index: _deliver(loop, queue, index, None)))
+                if len(group) <= engine.max_batch:
+                    requests += engine.submit_samples(group)
+                else:
+                    requests += [engine.submit(request) for request in group]
         except Exception:
             for request in requests:
                 engine.cancel(request)

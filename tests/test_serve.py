@@ -416,8 +416,8 @@ def test_a_client_leaving_mid_stream_frees_its_row(llama):
     app = create_app(llama)
     engine = app.state.engine
     submitted = []
-    submit = engine.submit
-    engine.submit = lambda request: submitted.append(request) or submit(request)
+    submit = engine.submit_samples   # a prompt's choices join as one group
+    engine.submit_samples = lambda group: submitted.extend(group) or submit(group)
     body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 50, "stream": True}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
              "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
@@ -576,3 +576,11 @@ def test_cli_serves_with_a_policy(tmp_path, llama, monkeypatch, capsys):
     assert "--policy ppo needs it" in capsys.readouterr().err
     assert main(["serve", str(artifact), "--policy", "ppo", "--policy-file", str(tmp_path / "none")]) == 2
     assert "no such policy folder" in capsys.readouterr().err
+
+
+def test_the_n_choices_of_a_prompt_share_one_prefill(llama):
+    client = TestClient(create_app(llama))
+    body = {"prompt": PROMPTS, "max_tokens": 6, "n": 3, "temperature": 0.8, "seed": 4}
+    choices = client.post("/v1/completions", json=body).json()["choices"]
+    assert [choice["index"] for choice in choices] == list(range(6))
+    assert client.app.state.engine.stats.prefills == 2          # one per prompt, not per choice
