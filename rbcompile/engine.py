@@ -2,19 +2,22 @@
 every decode step (as vLLM and TGI do), each with its own sampling, stop conditions and budget.
 
 Calls go one way. `BatchEngine.step()` admits waiting requests, highest priority (QoS class)
-first, then by arrival (a batch-1 prefill each,
-written straight into the `BatchKVCache` row the request will decode in, after the blocks of
-its prompt the `PrefixCache` holds are copied there; its first token comes from that prefill), runs one decode step over every running row, hands each row its token, and
-lets finished or cancelled rows leave. A group of requests on one prompt (`submit_samples`:
-the samples of self-consistency) joins with one prefill: its row is forked into one row per
-request, and each draws its first token from the same logits with its own generator. Any thread may `submit` / `cancel`; one thread (the
-server's model thread) calls `step` while `has_work`, and waits on `wake` otherwise. A row's
-tokens are those it would get alone: rows share only the step, never each other's keys (each row's
-mask starts at its own pad). Every forward (prefill or decode step) runs the plan of the
-smallest budget among the rows in the batch at that moment (budgets are skipped-compute
-shares, so no request gets less compute than it asked for; rows of one budget get exactly
-their tokens alone);
-speculative decoding stays per-request `generate` (a batch step emits one token per row).
+first, then by arrival: a batch-1 prefill each, written straight into the `BatchKVCache` row
+the request will decode in, after the blocks of its prompt that the `PrefixCache` holds are
+copied there; its first token comes from that prefill. Then one decode step runs over every
+running row, each row gets its token, and finished or cancelled rows leave. A group of
+requests on one prompt (`submit_samples`: the n choices of a completion, the samples of
+self-consistency) joins with one prefill, its row forked into one row per request, each
+drawing its first token from the same logits with its own generator.
+
+Any thread may `submit` / `cancel`; one thread (the server's model thread) calls `step` while
+`has_work` and waits on `wake` otherwise. A row's tokens are those it would get alone: rows
+share only the step, never each other's keys (each row's mask starts at its own pad). Every
+forward runs the plan of the smallest budget among the rows in the batch at that moment, a
+row without a budget taking the engine's (a controller's); budgets are skipped-compute
+shares, so no request gets less compute than it asked for, and rows of one budget get exactly
+their tokens alone. Speculative decoding stays per-request `generate` (a batch step emits one
+token per row).
 """
 from __future__ import annotations
 
