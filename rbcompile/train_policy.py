@@ -216,6 +216,9 @@ def train_policy(artifact, workload_path, output, *, classifier=None, slo_ms: fl
     compiled = load(artifact)
     if not compiled.plans:
         raise UserError(f"{artifact} has no calibrated plans: compile it with --calib")
+    if classifier and compiled.labels:
+        raise UserError(f"this artifact has its own {compiled.task_head} head: --classifier is "
+                        "for headless encoders")
     head = quality.load_head(classifier) if classifier else None
     if head is not None and compiled.family != "encoder":
         raise UserError("--classifier needs an encoder artifact")
