@@ -11,9 +11,11 @@ Patterns, on ATen graphs from torch.export and from the torch.compile backend (a
 - `layer_norm(x, ...)` -> `layer_norm`;
 - a residual add feeding either norm in the same region -> `add_rms_norm` / `add_layer_norm`
   (the new residual comes back as the op's second output);
-- `silu(gate) * up` -> `swiglu`;
+- `silu(gate) * up` (either order) -> `swiglu`;
 - `gelu(linear(x, W, b))` (erf or tanh) and the tanh formula of GPT-2's NewGELU, with its
   bias when the producing matmul has one -> `linear(x, W)` + `gelu_bias`.
+Norms and activations left as they were (a form no pattern matches: Gemma's `(1 + w)` RMSNorm)
+are counted in the pass log ("left unfused: ...").
 """
 from __future__ import annotations
 
@@ -186,10 +188,14 @@ class _Fuser:
         for node in list(self.gm.graph.nodes):
             if node in self.erased or node.op != "call_function":
                 continue
-            if _call(node, aten.mul.Tensor) and _call(node.args[0], aten.silu.default):
-                silu = node.args[0]
-                if len(silu.users) == 1 and self.same_region([silu, node]):
-                    self.replace("swiglu", node, ops.swiglu.default, (silu.args[0], node.args[1]),
+            if _call(node, aten.mul.Tensor) and any(_call(a, aten.silu.default)
+                                                    for a in node.args[:2]):
+                # silu(gate) * up, or up * silu(gate) (Phi-3)
+                side = 0 if _call(node.args[0], aten.silu.default) else 1
+                silu, up = node.args[side], node.args[1 - side]
+                if (len(silu.users) == 1 and isinstance(up, Node)
+                        and self.same_region([silu, node])):
+                    self.replace("swiglu", node, ops.swiglu.default, (silu.args[0], up),
                                  [node], [node, silu])
             elif _call(node, aten.gelu.default):
                 approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
@@ -216,6 +222,19 @@ class _Fuser:
                          pattern)
 
 
+def _unfused(gm: GraphModule) -> str:
+    """What is left of the norm and activation forms the patterns did not match: each `rsqrt`
+    is a norm left as it was (Gemma's `(1 + w)` RMSNorm, computed in fp32 before its cast: the
+    fused op casts first), each silu an activation."""
+    left = Counter()
+    for node in gm.graph.nodes:
+        if _call(node, aten.rsqrt.default):
+            left["norms (rsqrt)"] += 1
+        elif _call(node, aten.silu.default):
+            left["silu"] += 1
+    return ", ".join(f"{v} {k}" for k, v in sorted(left.items()))
+
+
 def _rename_region_values(regions: list[dict], renamed: dict[str, str]) -> None:
     def follow(name):
         while name in renamed:
@@ -240,5 +259,7 @@ def fuse_kernels(gm: GraphModule, ctx: PassContext) -> PassReport:
     _rename_region_values(ctx.regions, fuser.renamed)
     total = sum(fuser.counts.values())
     detail = ", ".join(f"{v} {k}" for k, v in sorted(fuser.counts.items()))
-    return PassReport(total > 0, f"fused {total} patterns ({detail or 'none found'})",
-                      dict(fuser.counts))
+    left = _unfused(gm)
+    return PassReport(total > 0, f"fused {total} patterns ({detail or 'none found'})"
+                      + (f"; left unfused: {left}" if left else ""),
+                      {**fuser.counts, **({"unfused": left} if left else {})})

@@ -35,9 +35,11 @@ _MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmu
 
 
 def _out_projections(kind: str, nodes: list[Node]) -> dict[str, str]:
-    """Module paths of the projections whose inputs are the heads (the first matmul after the
-    attention op) and the MLP channels (the last matmul of the unit)."""
-    matmuls = [i for i, n in enumerate(nodes) if n.target in _MATMULS]
+    """Module paths of the projections whose inputs are the heads (the first matmul with a
+    weight after the attention op: eager attention's `weights @ V` has none, Gemma 2) and the MLP
+    channels (the last matmul of the unit)."""
+    matmuls = [i for i, n in enumerate(nodes) if n.target in _MATMULS
+               and any(a.op == "get_attr" for a in n.all_input_nodes)]
     attention = [i for i, n in enumerate(nodes) if n.target in _ATTENTION]
     out = {}
     if kind in ("attention", "layer") and attention:

@@ -3,9 +3,9 @@
 Requires: `ctx:units`, `ctx:width_importance` (per unit: "heads" and/or "channels" scores).
 Ensures: `ctx:permutations`. Every parameter that holds heads or channels is permuted in place
 along the right axis (q/k/v rows and the output projection's columns; gate/up rows and the down
-projection's columns; GPT-2's fused c_attn per q/k/v block). GQA-aware: key/value groups move
-with their query heads. The function is unchanged (fp32 within 1e-5), and afterwards keeping the
-top-k heads or channels is a contiguous slice.
+projection's columns; GPT-2's fused c_attn and Phi-3's qkv_proj / gate_up_proj per block).
+GQA-aware: key/value groups move with their query heads. The function is unchanged (fp32 within
+1e-5), and afterwards keeping the top-k heads or channels is a contiguous slice.
 """
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def _expand(order: list[int], unit_size: int, blocks: int) -> torch.Tensor:
     return torch.cat([per_block + b * stride for b in range(blocks)])
 
 
+def _expand_blocks(orders: list[list[int]], unit_size: int) -> torch.Tensor:
+    """Index of rows/columns of fused blocks side by side, each in its own order (Phi-3's
+    qkv_proj: the query heads' order, then the KV heads' order twice)."""
+    parts, offset = [], 0
+    for order in orders:
+        parts.append(_expand(order, unit_size, 1) + offset)
+        offset += len(order) * unit_size
+    return torch.cat(parts)
+
+
 @graph_pass(requires=("ctx:units", "ctx:width_importance"), ensures=("ctx:permutations",))
 def permute_width(gm: GraphModule, ctx: PassContext) -> PassReport:
     if ctx.architecture is None:
@@ -62,7 +72,7 @@ def permute_width(gm: GraphModule, ctx: PassContext) -> PassReport:
                 if name not in params:
                     continue
                 unit_size = 1 if param.space == CHANNELS else unit.width["head_dim"]
-                index = _expand(orders[param.space], unit_size, param.fused)
+                index = _expand_blocks([orders[space] for space in param.layout], unit_size)
                 tensor = operator.attrgetter(name)(gm)
                 with torch.no_grad():
                     tensor.copy_(tensor.index_select(param.axis, index))

@@ -28,11 +28,23 @@ QUERY_HEADS, KV_HEADS, CHANNELS = "q", "kv", "channels"
 @dataclass(frozen=True)
 class WidthParameter:
     """A parameter holding heads or channels: `suffix` under the block's module path, the
-    `axis` they lie on, their index `space`, and `fused` blocks side by side (GPT-2's q/k/v)."""
+    `axis` they lie on, their index `space`, and `fused` blocks side by side (GPT-2's q/k/v).
+    `blocks`: the index spaces of fused blocks of different spaces, in order (Phi-3's qkv_proj:
+    q, kv, kv), instead of `fused` blocks of `space`. `narrowable`: whether keeping a prefix
+    of its heads / channels is that parameter at the narrower width (not for a norm over all
+    heads, OLMo 2's q/k norms: fewer heads change every head's scale); fused parameters are
+    never narrowed (a prefix per block is not a view)."""
     suffix: str
     axis: int
     space: str
     fused: int = 1
+    blocks: tuple[str, ...] = ()
+    narrowable: bool = True
+
+    @property
+    def layout(self) -> tuple[str, ...]:
+        """The index space of each block along the axis (one block unless fused)."""
+        return self.blocks or (self.space,) * self.fused
 
 
 @dataclass(frozen=True)
@@ -144,10 +156,37 @@ DISTILBERT = Architecture(
     config=ConfigNames(layers=("n_layers",), hidden=("dim",), heads=("n_heads",), kv_heads=(),
                        head_dim=(), channels=("hidden_dim",)))
 
+# Llama-shaped decoders: Qwen3 and Gemma 3 add per-head q/k norms (one weight shared by all
+# heads: unchanged by head order); Granite multiplies embeddings, residual branches,
+# attention scores and logits by constants; Gemma 2 / 3 put norms before and after each branch
+# (inside it: skipping the branch skips them), scale embeddings and tie them to the LM head
+QWEN3 = dataclasses.replace(LLAMA, model_type="qwen3")
+GRANITE = dataclasses.replace(LLAMA, model_type="granite")
+GEMMA2 = dataclasses.replace(LLAMA, model_type="gemma2")
+GEMMA3_TEXT = dataclasses.replace(LLAMA, model_type="gemma3_text")
+
+# OLMo 2: q/k norms over all heads at once (weights [heads x head_dim]): permuted with their
+# heads; not narrowed (fewer heads would change the norm of the ones kept)
+OLMO2 = dataclasses.replace(
+    LLAMA, model_type="olmo2",
+    heads=LLAMA.heads + (WidthParameter("self_attn.q_norm.weight", 0, QUERY_HEADS, narrowable=False),
+                         WidthParameter("self_attn.k_norm.weight", 0, KV_HEADS, narrowable=False)))
+
+# Phi-3: q/k/v in one matrix (q rows, then k, then v) and gate/up in one (gate rows, then up)
+PHI3 = Architecture(
+    model_type="phi3", family=DECODER,
+    heads=(WidthParameter("self_attn.qkv_proj.weight", 0, QUERY_HEADS,
+                          blocks=(QUERY_HEADS, KV_HEADS, KV_HEADS)),
+           WidthParameter("self_attn.o_proj.weight", 1, QUERY_HEADS)),
+    channels=(WidthParameter("mlp.gate_up_proj.weight", 0, CHANNELS, fused=2),
+              WidthParameter("mlp.down_proj.weight", 1, CHANNELS)),
+    kv_projections=("qkv_proj",))
+
 REGISTRY: dict[str, Architecture] = {
     arch.model_type: arch for arch in (
         LLAMA, dataclasses.replace(LLAMA, model_type="mistral"),
-        dataclasses.replace(LLAMA, model_type="qwen2"), GPT2, BERT, ROBERTA, DISTILBERT)}
+        dataclasses.replace(LLAMA, model_type="qwen2"), GPT2, BERT, ROBERTA, DISTILBERT,
+        QWEN3, GRANITE, OLMO2, PHI3, GEMMA2, GEMMA3_TEXT)}
 
 
 def lookup(config) -> Architecture:

@@ -161,11 +161,50 @@ class CachedDecoder(torch.nn.Module):
             layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
             layer.max_cache_len = keys.shape[2]  # the cache's length is the caller's choice
             layer.cumulative_length = cache_position[0]  # the causal mask's query offset
+            layer.cumulative_length_int = cache_position[0]  # (a sliding-window layer's)
             layer.update = _writer(keys, values, cache_position)
+            # every slot holds its own token (no rolling window buffer): a sliding-window
+            # layer's mask is the full length from slot 0, its window applied by position
+            layer.get_mask_sizes = _full_mask_sizes(keys)
             layer.is_initialized = True
+        config = self.model.config
+        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            attention_mask = _layer_masks(config, attention_mask, position_ids, cache_position,
+                                          self.model.dtype)
         return self.model(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids, cache=static, use_cache=True,
                           logits_to_keep=logit_positions).logits
+
+
+def _layer_masks(config, attention_mask, position_ids, cache_position, dtype) -> dict:
+    """The 4-D masks of full and sliding-window layers (Gemma 2 / 3), by layer type.
+    transformers measures a sliding window in cache slots; here a row's slots are not its
+    positions once speculation masks its rejected slots, so the window is measured between the
+    query's position and each slot's (its unmasked slots before it)."""
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation not in ("eager", "sdpa"):
+        raise CompileError(f"sliding-window layers with attention {implementation!r}: the KV-cached "
+                           "decoder builds their masks for 'eager' and 'sdpa' only")
+    slots = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    full = ((attention_mask[:, None, None, :] == 1)
+            & (slots[None, None, None, :] <= cache_position[None, None, :, None]))
+    key_positions = attention_mask.cumsum(-1) - 1
+    near = (position_ids[:, None, :, None] - key_positions[:, None, None, :]) < config.sliding_window
+    masks = {"full_attention": full, "sliding_attention": full & near}
+    if implementation == "sdpa":  # a pad query attending nothing would give NaN: let it attend
+        masks = {kind: mask | ~mask.any(-1, keepdim=True) for kind, mask in masks.items()}
+    else:
+        low = torch.finfo(dtype).min
+        masks = {kind: torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), low)
+                 for kind, mask in masks.items()}
+    return masks
+
+
+def _full_mask_sizes(keys: torch.Tensor):
+    """`get_mask_sizes` of a layer whose cache slots are absolute positions: (length, offset 0)."""
+    def get_mask_sizes(*args, **kwargs):
+        return keys.shape[2], 0
+    return get_mask_sizes
 
 
 def _writer(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):

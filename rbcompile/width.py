@@ -6,7 +6,8 @@ is traced from a narrowed copy of the model (attention keeps whole key/value gro
 query heads; MLPs keep the first channels), run through the same structural passes, and its
 prunable regions become extra methods the generated forward picks by `widths[gate]`.
 The safety floor is the lowest level: no plan keeps fewer than `floor` of a layer's heads.
-GPT-2 fuses q/k/v in one matrix (a prefix is not a view), so only its MLPs get width levels.
+GPT-2 fuses q/k/v in one matrix (a prefix is not a view), so only its MLPs get width levels;
+Phi-3 fuses q/k/v and gate/up (no width levels), OLMo 2's q/k norms span all heads (MLPs only).
 """
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ def narrowed_model(eager, weights: dict[str, torch.Tensor], architecture, units,
         block_path = blocks[unit.layer].module_path
         for part in ("heads", "channels"):
             entries = architecture.width_parameters(part) if part in unit.width else ()
-            if any(param.fused > 1 for param in entries):
-                continue  # fused q/k/v: a prefix would not be a view
+            if any(param.fused > 1 or param.blocks or not param.narrowable for param in entries):
+                continue  # fused q/k/v: a prefix would not be a view; see WidthParameter
             for param in entries:
                 name = f"{block_path}.{param.suffix}"
                 tensor = _parameter(model, name)

@@ -12,13 +12,33 @@ from rbcompile.architectures import REGISTRY, lookup
 from rbcompile.errors import UserError
 
 
+# decoders of issue 19: transformers config class and the settings that exercise what each adds
+DECODERS = {
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),  # per-head q/k norms; head_dim != hidden / heads
+    "phi3": ("Phi3Config", {}),                  # fused qkv_proj and gate_up_proj
+    "olmo2": ("Olmo2Config", {}),                # norms after each branch; q/k norms over all heads
+    "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                  "attention_multiplier": 0.2, "logits_scaling": 2.0}),
+    # sliding (window 4) and global layers mixed, soft-capping, (1 + w) norms, GeGLU, tied
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 4}),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 4,
+                                         "layer_types": ["sliding_attention", "full_attention"],
+                                         "final_logit_softcapping": 30.0}),
+}
+
+
 def _extra_config(model_type: str):
+    import transformers
     from transformers import MistralConfig, Qwen2Config
 
-    config = {"mistral": MistralConfig, "qwen2": Qwen2Config}[model_type]
+    name, extra = DECODERS.get(model_type, (None, {}))
+    config = getattr(transformers, name) if name else {"mistral": MistralConfig,
+                                                       "qwen2": Qwen2Config}[model_type]
+    if name:
+        extra = {"bos_token_id": 1, "eos_token_id": 2, **extra}
     return config(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64, pad_token_id=0)
+                  max_position_embeddings=64, pad_token_id=0, **extra)
 
 
 def _tiny(model_type: str):
@@ -43,7 +63,7 @@ def test_dimensions_and_width_parameters_match_a_real_model(model_type):
                      or type(m).__name__ in ("BertSelfAttention", "GPT2Attention",
                                              "RobertaSelfAttention",
                                              "DistilBertSelfAttention", "MultiHeadSelfAttention"))
-    assert dims.layers == 2 if model_type in ("mistral", "qwen2") else dims.layers == 4
+    assert dims.layers == 2 if model_type in ("mistral", "qwen2", *DECODERS) else dims.layers == 4
     assert (dims.hidden, dims.heads, dims.vocab, dims.max_positions) == (32, 4, TINY_VOCAB, 64)
     assert dims.head_dim == getattr(attention, "head_dim", 32 // 4)
     assert dims.kv_heads == (4 if model_type in ("gpt2", "bert", "roberta", "distilbert") else 2)
@@ -57,10 +77,10 @@ def test_dimensions_and_width_parameters_match_a_real_model(model_type):
             found = in_blocks(parameter.suffix)
             if parameter.suffix.endswith("weight"):
                 assert len(found) == dims.layers, (model_type, parameter.suffix)
-            if found and parameter.space == "channels":
-                assert found[0].shape[parameter.axis] == dims.channels
-            if found and parameter.space == "q":
-                assert found[0].shape[parameter.axis] == parameter.fused * dims.heads * dims.head_dim
+            sizes = {"channels": dims.channels, "q": dims.heads * dims.head_dim,
+                     "kv": dims.kv_heads * dims.head_dim}
+            if found:  # fused blocks side by side (GPT-2's and Phi-3's)
+                assert found[0].shape[parameter.axis] == sum(sizes[s] for s in parameter.layout)
     names = list(parameters)
     for part in architecture.kv_projections:
         assert any(part in name for name in names), (model_type, part)
@@ -88,3 +108,126 @@ def test_records_without_a_conftest_model_compile_with_full_path_parity(model_ty
     logits = compiled(ids, mask)["logits"]
     assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
     assert compiled.num_gates > 0
+
+
+@pytest.mark.parametrize("model_type", sorted(DECODERS))
+def test_decoders_parity_regions_skips_and_cached_generate(model_type):
+    """Full path equals eager at two padded shapes; each layer's attention and MLP branch is
+    prunable and skipping it equals eager with that branch adding zero (post-norms, multipliers
+    and soft-capping included); the KV-cached decoder generates HF's greedy tokens, one token
+    a step and with n-gram drafts (several a step, each row's rejected slots masked: a sliding
+    window must count positions, not slots)."""
+    from conftest import eager_outputs, max_diff, random_batch
+    from test_decoder import PROMPTS, _hf_new_tokens
+    from test_skip import _reference_without
+
+    model = _tiny(model_type)
+    compiled = rbcompile.compile(model)
+    for batch, seq in ((2, 12), (3, 21)):
+        ids, mask = random_batch(batch, seq, seed=seq)  # the last row left-padded
+        assert max_diff(compiled(ids, mask), eager_outputs(model, ids, mask)) <= 1e-5
+    prunable = [r for r in compiled.regions if r["kind"] == "prunable"]
+    assert [(r["layer"], r["unit_kind"]) for r in prunable] == [
+        (layer, kind) for layer in range(2) for kind in ("attention", "mlp")]
+    ids, mask = random_batch(2, 13)
+    for region in prunable:
+        gates = [True] * compiled.num_gates
+        gates[region["gate"]] = False
+        expected = eager_outputs(_reference_without(model, region), ids, mask)
+        assert max_diff(compiled(ids, mask, gates=gates), expected) <= 1e-5, region["name"]
+    decoder_units = [r["unit_kind"] for r in compiled.decoder.ir["regions"] if r["kind"] == "prunable"]
+    assert decoder_units == ["mlp", "mlp"]
+    mask = (PROMPTS != 0).long()
+    expected = _hf_new_tokens(model, PROMPTS, mask, 10)
+    for speculate in ("off", "ngram"):
+        assert compiled.generate(PROMPTS, mask, max_new_tokens=10,
+                                 speculate=speculate).tokens == expected, speculate
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "phi3", "olmo2", "gemma2"])
+def test_width_permutation_is_exact_and_narrowing_keeps_to_prefixes(model_type):
+    """Heads and channels in a random order: the function is unchanged (Phi-3's fused blocks
+    each permuted in their own index space, OLMo 2's q/k norm weights with their heads); a
+    width level narrows only what a prefix expresses (Qwen3 both; OLMo 2 its MLPs, its q/k
+    norms spanning all heads; Phi-3 nothing, its projections fused)."""
+    from conftest import eager_outputs, random_batch
+    from rbcompile.compiler import generate_module
+    from rbcompile.passes import CALIBRATED_PIPELINE, PassContext, run_pipeline
+    from rbcompile.trace import example_inputs, trace
+    from rbcompile.width import narrowed_model
+
+    model = _tiny(model_type)
+    with torch.no_grad():  # norms initialised to ones would hide a norm weight left unpermuted
+        for name, tensor in model.named_parameters():
+            if "norm" in name:
+                tensor.add_(0.1 * torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1)))
+    architecture = lookup(model.config)
+    dims = architecture.dimensions(model.config)
+    traced = trace(model, architecture)
+    reference = example_inputs(architecture, dims.vocab, batch=1, seq=8)
+    ctx = PassContext(family=architecture.family, reference_inputs=reference,
+                      input_names=traced.input_names, architecture=architecture, dims=dims)
+    gm = traced.graph_module
+    run_pipeline(gm, ctx)
+    # heads are measured at the output projection's input (not at eager attention's weights @ V)
+    assert {unit.width.get("attention_out", "o_proj").rsplit(".", 1)[-1]
+            for unit in ctx.units} == {"o_proj"}
+    ids, mask = random_batch(2, 12)
+    before = eager_outputs(model, ids, mask)["logits"]
+    ctx.width_importance = {  # ascending scores: every head, KV group and channel moves
+        unit.name: {"heads": [float(h) for h in range(dims.heads)]} if unit.kind == "attention"
+        else {"channels": [float(c) for c in range(dims.channels)]} for unit in ctx.units}
+    original = {name: tensor.clone() for name, tensor in gm.named_parameters()}
+    run_pipeline(gm, ctx, CALIBRATED_PIPELINE)
+    _, _, module = generate_module(gm, ctx.regions, traced.input_names, traced.output_names,
+                                   model_type)
+    with torch.no_grad():
+        after = module(ids, mask, [True] * module.NUM_GATES, None)[0]
+    moved = [name for name, tensor in gm.named_parameters()
+             if not torch.equal(tensor, original[name])]
+    assert any("qkv_proj" in n or "q_proj" in n for n in moved)
+    if model_type == "olmo2":
+        assert any("q_norm" in n for n in moved) and any("k_norm" in n for n in moved)
+    assert (before - after).abs().max().item() <= 1e-5
+    _, views = narrowed_model(model, {}, architecture, ctx.units, ctx.blocks, 0.5)
+    narrowed = {name.split(".")[-2] for name in views}
+    assert narrowed == {"qwen3": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                  "down_proj"},
+                        "olmo2": {"gate_proj", "up_proj", "down_proj"}, "phi3": set(),
+                        "gemma2": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                   "down_proj"}}[model_type]
+
+
+@pytest.mark.parametrize("model_type", sorted(DECODERS))
+def test_fusion_recognises_the_norms_and_activations_or_says_what_it_left(model_type):
+    """Llama-form RMSNorms (q/k norms too) and SwiGLU in either operand order (Phi-3's
+    `up * silu(gate)`) are fused; Gemma's `(1 + w)` norms are left and named in the pass log;
+    the fused full path still equals eager."""
+    from conftest import eager_outputs, random_batch
+    from rbcompile.compiler import generate_module
+    from rbcompile.passes import PIPELINE, PassContext, run_pipeline
+    from rbcompile.trace import example_inputs, trace
+
+    model = _tiny(model_type)
+    architecture = lookup(model.config)
+    dims = architecture.dimensions(model.config)
+    traced = trace(model, architecture)
+    ctx = PassContext(family=architecture.family, input_names=traced.input_names,
+                      reference_inputs=example_inputs(architecture, dims.vocab, batch=1, seq=8),
+                      architecture=architecture, dims=dims, kernels=True)
+    run_pipeline(traced.graph_module, ctx, PIPELINE)
+    (entry,) = [p for p in ctx.history if p["pass"] == "fuse_kernels"]
+    stats = entry["stats"]
+    if model_type.startswith("gemma"):
+        assert stats.get("gelu") == 2 and "rms_norm" not in stats
+        norms = 4 * 2 + 1 + (4 if model_type == "gemma3_text" else 0)  # + Gemma 3's q/k norms
+        assert f"left unfused: {norms} norms (rsqrt)" in entry["summary"]
+    else:
+        assert stats.get("swiglu") == 2 and "unfused" not in stats, entry["summary"]
+        assert stats.get("rms_norm", 0) + stats.get("add+rms_norm", 0) >= 5
+    _, _, module = generate_module(traced.graph_module, ctx.regions, traced.input_names,
+                                   traced.output_names, model_type)
+    ids, mask = random_batch(2, 12)
+    with torch.no_grad():
+        logits = module(ids, mask, [True] * module.NUM_GATES, None)[0]
+    assert (logits - eager_outputs(model, ids, mask)["logits"]).abs().max().item() <= 1e-5
