@@ -168,16 +168,21 @@ class CachedDecoder(torch.nn.Module):
             layer.get_mask_sizes = _full_mask_sizes(keys)
             layer.is_initialized = True
         config = self.model.config
+        window = getattr(config, "sliding_window", None)
         if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
             attention_mask = _layer_masks(config, attention_mask, position_ids, cache_position,
                                           self.model.dtype)
+        elif getattr(config, "layer_types", None) is None and window and window < self.max_len:
+            # every layer sliding (Mistral): one 4-D mask, which transformers takes as it is
+            attention_mask = _layer_masks(config, attention_mask, position_ids, cache_position,
+                                          self.model.dtype)["sliding_attention"]
         return self.model(input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position_ids, cache=static, use_cache=True,
                           logits_to_keep=logit_positions).logits
 
 
 def _layer_masks(config, attention_mask, position_ids, cache_position, dtype) -> dict:
-    """The 4-D masks of full and sliding-window layers (Gemma 2 / 3), by layer type.
+    """The 4-D masks of full and sliding-window layers (Gemma 2 / 3, Mistral), by layer type.
     transformers measures a sliding window in cache slots; here a row's slots are not its
     positions once speculation masks its rejected slots, so the window is measured between the
     query's position and each slot's (its unmasked slots before it)."""

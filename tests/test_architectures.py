@@ -231,3 +231,22 @@ def test_fusion_recognises_the_norms_and_activations_or_says_what_it_left(model_
     with torch.no_grad():
         logits = module(ids, mask, [True] * module.NUM_GATES, None)[0]
     assert (logits - eager_outputs(model, ids, mask)["logits"]).abs().max().item() <= 1e-5
+
+
+def test_mistral_sliding_window_in_the_cached_decoder():
+    """Mistral slides every layer (no per-layer types): with a window shorter than the text,
+    the cached decoder still generates HF's greedy tokens, with n-gram drafts too."""
+    from transformers import AutoModelForCausalLM
+
+    from test_decoder import PROMPTS, _hf_new_tokens
+
+    config = _extra_config("mistral")
+    config.sliding_window, config.bos_token_id, config.eos_token_id = 4, 1, 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    compiled = rbcompile.compile(model)
+    mask = (PROMPTS != 0).long()
+    expected = _hf_new_tokens(model, PROMPTS, mask, 10)
+    for speculate in ("off", "ngram"):
+        assert compiled.generate(PROMPTS, mask, max_new_tokens=10,
+                                 speculate=speculate).tokens == expected, speculate
