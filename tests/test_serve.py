@@ -418,6 +418,13 @@ def test_a_client_leaving_mid_stream_frees_its_row(llama):
     submitted = []
     submit = engine.submit_samples   # a prompt's choices join as one group
     engine.submit_samples = lambda group: submitted.extend(group) or submit(group)
+    step = engine.step_fn
+
+    def slow_step(*args, **kwargs):   # 10 ms a forward: 50 tokens take longer than leaving
+        time.sleep(0.01)
+        return step(*args, **kwargs)
+
+    engine.step_fn = slow_step
     body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 50, "stream": True}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
              "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
