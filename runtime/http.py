@@ -103,6 +103,10 @@ class EmbeddingExtension(_Strict):
     budget: float | None = Field(None, ge=0, le=1)
 
 
+class StreamOptions(_Strict):
+    include_usage: bool = False   # a last chunk with no choices and the request's usage
+
+
 class _GenerationRequest(_Strict):
     """The fields /v1/completions and /v1/chat/completions share."""
     model: str | None = None
@@ -112,6 +116,7 @@ class _GenerationRequest(_Strict):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
     rbcompile: CompletionExtension = CompletionExtension()
 
@@ -637,6 +642,8 @@ class _Service:
         with `stream` its server-sent events."""
         if body.n > self.limits.max_n:
             raise ApiError(400, f"n={body.n} is over this server's limit of {self.limits.max_n}", "n")
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options goes with stream: true", "stream_options")
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         max_tokens = self._max_new_tokens(*body.asked_tokens(), batch["input_ids"].shape[1])
         prompt_tokens = int(batch["attention_mask"].sum())
@@ -650,18 +657,17 @@ class _Service:
         else:
             run = await self._generated(body, batch, stop, max_tokens)
         if body.stream:
-            return StreamingResponse(self._sse(run, header, fmt, choices, stop, max_tokens),
+            usage = prompt_tokens if body.stream_options and body.stream_options.include_usage else None
+            return StreamingResponse(self._sse(run, header, fmt, choices, stop, max_tokens, usage),
                                      media_type="text/event-stream")
         tokens = [[] for _ in range(choices)]
         async for index, token in run.events:
             tokens[index].append(token)
         run.record(self.metrics)
-        completion_tokens = sum(len(row) for row in tokens)
         return {**header,
                 "choices": [fmt.choice(index, *self._ending(row, stop, max_tokens))
                             for index, row in enumerate(tokens)],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                "usage": _usage(prompt_tokens, sum(len(row) for row in tokens))}
 
     async def _admit(self, qos: str) -> None:
         """Refuse a completion with 503 when the watermarks or the queue say so; from the
@@ -751,9 +757,10 @@ class _Service:
         return text, "stop" if ended else "length"
 
     async def _sse(self, run: "_TokenRun", header: dict, fmt: ChoiceFormat, choices: int, stop: list[str],
-                   max_tokens: int):
+                   max_tokens: int, usage_prompt_tokens: int | None = None):
         """Server-sent events: the chunks opening each choice, a chunk per token with the text
-        it adds, the chunks ending each choice with its finish_reason, then [DONE]."""
+        it adds, the chunks ending each choice with its finish_reason, with
+        `usage_prompt_tokens` a chunk with no choices and the usage, then [DONE]."""
         def chunk(choice: dict) -> str:
             return f"data: {_json({**header, 'choices': [choice]})}\n\n"
 
@@ -778,6 +785,9 @@ class _Service:
             rest = stream.finish()
             for choice in fmt.ending(row, rest, self._ending(stream.tokens, stop, max_tokens)[1]):
                 yield chunk(choice)
+        if usage_prompt_tokens is not None:
+            usage = _usage(usage_prompt_tokens, sum(len(stream.tokens) for stream in streams))
+            yield f"data: {_json({**header, 'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"
 
     # ---- embeddings --------------------------------------------------------------------------
@@ -815,6 +825,11 @@ class _TokenRun:
         stats = self.scheduler.result().stats if self.scheduler is not None else None
         metrics.record_generation(self.tokens, time.perf_counter() - self.started,
                                   stats.drafted if stats else 0, stats.accepted if stats else 0)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, token: int | None) -> None:

@@ -142,6 +142,23 @@ def test_openai_client_completions(decoder_client, llama):
     assert streamed == {c.index: c.text for c in completion.choices}
 
 
+def test_stream_options_include_usage(decoder_client, llama):
+    """The openai client's stream_options: a last chunk with no choices carries the usage,
+    the same as the non-streamed response's."""
+    client = openai_client(decoder_client)
+    body = {"model": llama.manifest["source"]["name"], "prompt": PROMPTS, "max_tokens": 8, "temperature": 0}
+    usage = client.completions.create(**body).usage
+    chunks = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == usage
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    chat = {"model": body["model"], "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    streamed = list(client.chat.completions.create(**chat, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert streamed[-1].usage == client.chat.completions.create(**chat).usage
+    refused = decoder_client.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}})
+    assert refused.status_code == 400 and "stream_options goes with stream: true" in refused.text
+
+
 def test_openai_client_chat(decoder_client, llama):
     client = openai_client(decoder_client)
     body = {"model": llama.manifest["source"]["name"], "messages": MESSAGES, "temperature": 0}
