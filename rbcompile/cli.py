@@ -131,6 +131,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="decoders: sample from the smallest set of "
                    "tokens holding this probability")
     p.add_argument("--seed", type=int, help="decoders: seed of the sampler")
+    p.add_argument("--consistency", choices=("off", "1", "3", "7"), default="off",
+                   help="decoders: draw this many samples (with --temperature) sharing one "
+                   "prefill and print the answer their majority vote gives")
+    p.add_argument("--extract", default="first-line", help="with --consistency: how an answer is "
+                   "read from a sample: first-line (default), last-number, choice (a letter "
+                   "A-E), regex:PATTERN (its first group, else the match)")
     _placement_options(p, "run on this device (default cpu)",
                        "must be the dtype the artifact was compiled in (a check)")
     p.add_argument("--engine", choices=("torch", "onnxruntime"), default="torch",
@@ -429,6 +435,8 @@ def _new_tokens(model, prompt_len: int, args) -> int:
 def _generate_texts(model, args) -> None:
     """Decoders on the torch engine: KV-cached generation, one text at a time."""
     sampling = [args.temperature, args.top_k, args.top_p]
+    if args.consistency != "off":
+        return _vote_texts(model, args)
     for text in args.text:
         ids = model.tokenizer(text, return_tensors="pt")["input_ids"]
         result = model.generate(
@@ -444,6 +452,30 @@ def _generate_texts(model, args) -> None:
         print(f"  {stats.new_tokens} tokens in {stats.seconds:.2f} s = "
               f"{stats.tokens_per_second:.1f} tokens/s (KV cache, speculate {args.speculate}"
               f"{drafted}){'' if not args.budget else f', budget {args.budget:g} (MLPs)'}")
+
+
+def _vote_texts(model, args) -> None:
+    """Decoders with --consistency k: k samples per text, their answers (--extract) voted."""
+    from .consistency import VoteOptions
+    from .errors import UserError
+
+    k = int(args.consistency)
+    if k > 1 and args.temperature is None:
+        raise UserError(f"--consistency {k} needs --temperature (greedy samples are all the same)")
+    for text in args.text:
+        ids = model.tokenizer(text, return_tensors="pt")["input_ids"]
+        result = model.generate(
+            ids, max_new_tokens=_new_tokens(model, ids.shape[1], args), budget=args.budget,
+            do_sample=args.temperature is not None,
+            temperature=1.0 if args.temperature is None else args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculate=args.speculate,
+            consistency=k, vote=VoteOptions(extract=args.extract))
+        stats = result.stats
+        votes = ", ".join(f"{answer!r}: {count}" for answer, count in result.votes.items())
+        print(f"{text!r} -> {result.answer!r}")
+        print(f"  votes {{{votes}}} from {stats.voted} of {stats.samples} samples"
+              f"{' (stopped early)' if stats.stopped_early else ''}; {stats.prefills} prefill, "
+              f"{stats.new_tokens} tokens in {stats.seconds:.2f} s")
 
 
 CURVE_DEFAULTS = {"decoder": {"samples": 4, "seq": 512, "batch": 1},

@@ -82,7 +82,19 @@ def test_run_speculates_and_samples(llama_artifact, capsys):
     assert sampled[0] and sampled[0] == sampled[1]  # seeded: reproducible
 
 
+def test_run_votes_over_samples(llama_artifact, capsys):
+    argv = ["run", str(llama_artifact), "--text", "the time of his", "--max-new-tokens", "5",
+            "--consistency", "3", "--temperature", "0.9", "--seed", "2"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("'the time of his' -> ") and " samples" in first and "1 prefill" in first
+    assert main(argv) == 0 and capsys.readouterr().out.splitlines()[0] == first.splitlines()[0]
+
+
 @pytest.mark.parametrize("flags,message", [
+    (["--consistency", "3"], "--consistency 3 needs --temperature"),
+    (["--consistency", "3", "--temperature", "0.7", "--extract", "middle"], "unknown answer extractor 'middle'"),
+    (["--consistency", "3", "--temperature", "0.7", "--speculate", "ngram"], "does not combine with speculate"),
     (["--temperature", "0"], "temperature must be > 0 when sampling"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--top-k", "0"], "top_k must be >= 1"),
