@@ -153,3 +153,17 @@ def task_bert(tiny_checkpoints, tmp_path_factory):
     labelled_words(folder / "labelled.jsonl")
     return rbcompile.compile(tiny_checkpoints["bert"], calib=folder / "labelled.jsonl",
                              calib_samples=60, calib_seq=16, calib_head=folder / "head.safetensors")
+
+
+def text_streamed_through_sigterm(response, process) -> str:
+    """Read an SSE completion stream, sending SIGTERM to the server `process` after its first
+    event; the stream must still end with [DONE]. The text it carried."""
+    import json
+    import signal
+
+    lines = response.iter_lines()
+    events = [next(line for line in lines if line.startswith("data: "))]
+    process.send_signal(signal.SIGTERM)
+    events += [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    return "".join(json.loads(line[6:])["choices"][0]["text"] for line in events[:-1])

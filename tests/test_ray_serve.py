@@ -3,7 +3,6 @@ replicas' non-blocking link to it (no Ray needed), the one-line error without th
 and, with ray installed (`make test-ray`), two replicas behind Ray Serve's proxy."""
 import concurrent.futures
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import rbcompile
+from conftest import text_streamed_through_sigterm
 from rbcompile.cli import main
 from rbcompile.runtime.decode_control import DecodeController
 from rbcompile.runtime.http import create_app
@@ -256,12 +256,7 @@ def test_two_ray_serve_replicas_one_controller(llama, tmp_path, monkeypatch):
         # SIGTERM with a stream open: it finishes ([DONE]), then the command exits 0.
         body = {"prompt": PROMPTS[1], "max_tokens": 40, "stream": True, "temperature": 0}
         with client.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            events = [next(line for line in lines if line.startswith("data: "))]
-            process.send_signal(signal.SIGTERM)
-            events += [line for line in lines if line]
-        assert events[-1] == "data: [DONE]"
-        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in events[:-1])
+            text = text_streamed_through_sigterm(response, process)
         assert text == greedy_text(compiled, PROMPTS[1], 40, 0.5)
         assert process.wait(90) == 0, process.stderr.read()
         print(json.dumps({"up_s": round(up, 1), "total_s": round(time.monotonic() - started, 1),

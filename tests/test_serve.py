@@ -3,7 +3,6 @@ openai client, on tiny llama and bert artifacts, and the CLI's refusals (no serv
 import asyncio
 import base64
 import json
-import signal
 import time
 
 import numpy as np
@@ -14,6 +13,7 @@ from fastapi.testclient import TestClient
 from tokenizers.processors import TemplateProcessing
 
 import rbcompile
+from conftest import text_streamed_through_sigterm
 from rbcompile.cli import main
 from rbcompile.quality import mean_pool
 from rbcompile.runtime.http import ModelWorker, ServeLimits, TextStream, create_app
@@ -501,12 +501,7 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(llama, tmp_path):
                 time.sleep(0.2)
         body = {"prompt": PROMPTS[0], "max_tokens": 50, "stream": True, "temperature": 0}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            events = [next(line for line in lines if line.startswith("data: "))]
-            process.send_signal(signal.SIGTERM)
-            events += [line for line in lines if line]
-        assert events[-1] == "data: [DONE]"
-        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in events[:-1])
+            text = text_streamed_through_sigterm(response, process)
         assert text == greedy_texts(llama, [PROMPTS[0]], 50)[0]
         assert process.wait(60) == 0, process.stderr.read()
         with pytest.raises(httpx.ConnectError):
