@@ -182,11 +182,15 @@ PHI3 = Architecture(
               WidthParameter("mlp.down_proj.weight", 1, CHANNELS)),
     kv_projections=("qkv_proj",))
 
+# model types whose checkpoints have the same module names and dimensions as a record's: the
+# record under another name (XLM-RoBERTa and CamemBERT are RoBERTa in transformers)
+ALIASES = {LLAMA: ("mistral", "qwen2"), ROBERTA: ("xlm-roberta", "camembert")}
+
 REGISTRY: dict[str, Architecture] = {
     arch.model_type: arch for arch in (
-        LLAMA, dataclasses.replace(LLAMA, model_type="mistral"),
-        dataclasses.replace(LLAMA, model_type="qwen2"), GPT2, BERT, ROBERTA, DISTILBERT,
-        QWEN3, GRANITE, OLMO2, PHI3, GEMMA2, GEMMA3_TEXT)}
+        LLAMA, GPT2, BERT, ROBERTA, DISTILBERT, QWEN3, GRANITE, OLMO2, PHI3, GEMMA2, GEMMA3_TEXT,
+        *(dataclasses.replace(record, model_type=alias)
+          for record, aliases in ALIASES.items() for alias in aliases))}
 
 
 def lookup(config) -> Architecture:

@@ -41,7 +41,26 @@ def _extra_config(model_type: str):
                   max_position_embeddings=64, pad_token_id=0, **extra)
 
 
-def _tiny(model_type: str):
+# RoBERTa-shaped encoders (registry aliases of the roberta record): their config classes
+ROBERTA_ALIASES = {"xlm-roberta": "XLMRobertaConfig", "camembert": "CamembertConfig"}
+
+
+def _roberta_alias(model_type: str, head: str | None = None):
+    """The tiny RoBERTa of tests/test_task_heads.py as an XLM-RoBERTa / CamemBERT model."""
+    import transformers
+
+    from test_task_heads import make_encoder
+    roberta = make_encoder("roberta", head).config.to_dict()
+    roberta.pop("model_type")
+    config = getattr(transformers, ROBERTA_ALIASES[model_type]).from_dict(roberta)
+    auto = getattr(transformers, f"AutoModelFor{head}" if head else "AutoModel")
+    torch.manual_seed(0)
+    return auto.from_config(config).eval()
+
+
+def tiny_model(model_type: str):
+    """A tiny random model of each registry model type (also used by
+    benchmarks/bench_architectures.py)."""
     from transformers import AutoModelForCausalLM
 
     if model_type in ("llama", "gpt2", "bert"):
@@ -49,24 +68,28 @@ def _tiny(model_type: str):
     if model_type in ("roberta", "distilbert"):  # encoders: tests/test_task_heads.py
         from test_task_heads import make_encoder
         return make_encoder(model_type)
+    if model_type in ROBERTA_ALIASES:
+        return _roberta_alias(model_type)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(_extra_config(model_type)).eval()
 
 
 @pytest.mark.parametrize("model_type", sorted(REGISTRY))
 def test_dimensions_and_width_parameters_match_a_real_model(model_type):
-    model = _tiny(model_type)
+    model = tiny_model(model_type)
     architecture = lookup(model.config)
     assert architecture.model_type == model_type
     dims = architecture.dimensions(model.config)
     attention = next(m for m in model.modules() if hasattr(m, "head_dim")
                      or type(m).__name__ in ("BertSelfAttention", "GPT2Attention",
-                                             "RobertaSelfAttention",
+                                             "RobertaSelfAttention", "XLMRobertaSelfAttention",
+                                             "CamembertSelfAttention",
                                              "DistilBertSelfAttention", "MultiHeadSelfAttention"))
     assert dims.layers == 2 if model_type in ("mistral", "qwen2", *DECODERS) else dims.layers == 4
     assert (dims.hidden, dims.heads, dims.vocab, dims.max_positions) == (32, 4, TINY_VOCAB, 64)
     assert dims.head_dim == getattr(attention, "head_dim", 32 // 4)
-    assert dims.kv_heads == (4 if model_type in ("gpt2", "bert", "roberta", "distilbert") else 2)
+    assert dims.kv_heads == (4 if lookup(model.config).family == "encoder" or model_type == "gpt2"
+                             else 2)
     parameters = dict(model.named_parameters())
 
     def in_blocks(suffix):  # `suffix` right under a numbered block (model.layers.3.<suffix>)
@@ -97,7 +120,7 @@ def test_unknown_model_type_says_where_to_add_a_record():
 
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
 def test_records_without_a_conftest_model_compile_with_full_path_parity(model_type):
-    model = _tiny(model_type)
+    model = tiny_model(model_type)
     compiled = rbcompile.compile(model)
     assert compiled.manifest["architecture"]["model_type"] == model_type
     ids = torch.randint(0, TINY_VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -108,6 +131,22 @@ def test_records_without_a_conftest_model_compile_with_full_path_parity(model_ty
     logits = compiled(ids, mask)["logits"]
     assert torch.allclose(logits, expected, atol=1e-5, rtol=0)
     assert compiled.num_gates > 0
+
+
+@pytest.mark.parametrize("model_type", sorted(ROBERTA_ALIASES))
+def test_roberta_aliases_parity_and_classifier_head(model_type):
+    """XLM-RoBERTa and CamemBERT compile as the roberta record (positions from pad_token_id +
+    1, padded rows too), headless and with a sequence classifier kept in the artifact."""
+    from test_task_heads import assert_parity
+
+    for head in (None, "SequenceClassification"):
+        model = _roberta_alias(model_type, head)
+        assert type(model).__name__.startswith(("XLMRoberta", "Camembert"))
+        compiled = rbcompile.compile(model)
+        assert compiled.manifest["architecture"]["model_type"] == model_type
+        assert_parity(compiled, model, "roberta")
+        assert compiled.task_head == ("sequence-classification" if head else None)
+        assert [r["unit_kind"] for r in compiled.regions if r["kind"] == "prunable"] == ["layer"] * 4
 
 
 @pytest.mark.parametrize("model_type", sorted(DECODERS))
@@ -121,7 +160,7 @@ def test_decoders_parity_regions_skips_and_cached_generate(model_type):
     from test_decoder import PROMPTS, _hf_new_tokens
     from test_skip import _reference_without
 
-    model = _tiny(model_type)
+    model = tiny_model(model_type)
     compiled = rbcompile.compile(model)
     for batch, seq in ((2, 12), (3, 21)):
         ids, mask = random_batch(batch, seq, seed=seq)  # the last row left-padded
@@ -156,7 +195,7 @@ def test_width_permutation_is_exact_and_narrowing_keeps_to_prefixes(model_type):
     from rbcompile.trace import example_inputs, trace
     from rbcompile.width import narrowed_model
 
-    model = _tiny(model_type)
+    model = tiny_model(model_type)
     with torch.no_grad():  # norms initialised to ones would hide a norm weight left unpermuted
         for name, tensor in model.named_parameters():
             if "norm" in name:
@@ -208,7 +247,7 @@ def test_fusion_recognises_the_norms_and_activations_or_says_what_it_left(model_
     from rbcompile.passes import PIPELINE, PassContext, run_pipeline
     from rbcompile.trace import example_inputs, trace
 
-    model = _tiny(model_type)
+    model = tiny_model(model_type)
     architecture = lookup(model.config)
     dims = architecture.dimensions(model.config)
     traced = trace(model, architecture)
