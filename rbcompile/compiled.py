@@ -252,16 +252,19 @@ class CompiledModel:
             draft_budget = self.decoder.draft["budget"]
             if draft_budget is None and speculate == "auto":
                 speculate = "ngram"  # calibration measured that no light plan pays
+        draft_cost = 1.0
         if speculate in ("self", "auto"):
-            draft = partial(self.decoder, gates=self.decoder_gates(
-                SELF_DRAFT_BUDGET if draft_budget is None else draft_budget))
+            measured = draft_budget is not None and draft_budget == (self.decoder.draft or {}).get("budget")
+            draft_gates = self.decoder_gates(SELF_DRAFT_BUDGET if draft_budget is None else draft_budget)
+            draft = partial(self.decoder, gates=draft_gates)
+            draft_cost = 0.0 if measured or draft_gates is None else self.decoder.cost(draft_gates)
         eos = self.hf_config.get("eos_token_id")
         run = stream_tokens if stream else generate
         return run(partial(self.decoder, gates=gates), torch.as_tensor(input_ids),
                    attention_mask, shape=self.decoder.shape, max_new_tokens=max_new_tokens,
                    sampling=sampling, eos_token_ids=() if eos is None else eos, stop=stop,
                    decode=self.tokenizer.decode if stop else None, speculate=speculate,
-                   draft_step=draft)
+                   draft_step=draft, draft_cost=draft_cost)
 
     def compile_regions(self) -> "CompiledModel":
         """Compile the generated regions with inductor (first calls per shape are slow)."""

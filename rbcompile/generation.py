@@ -192,32 +192,37 @@ class FixedPolicy:
 class AutoPolicy:
     """Per-request choice among 'off' and drafters by measured tokens per second.
 
-    Each mode runs one step first; then the fastest over its last `window` steps runs. A
-    drafter must beat 'off' by `margin` and keep at least `min_acceptance` of its drafts (so
-    with drafts that never match, speculation turns off whatever the timings' noise). The
-    other modes are re-measured one step at a time, at least `retry_after` steps apart, and
-    only while the time the re-measurements lost against the running mode stays within
-    `budget` of the time elapsed: a drafter that does not pay costs at most that share, after
-    its first step."""
+    'off' runs first; then the fastest mode over its last `window` steps runs. A drafter must
+    beat 'off' by `margin` and keep at least `min_acceptance` of its drafts (so with drafts
+    that never match, speculation turns off whatever the timings' noise). A drafter that is not
+    running is measured one step at a time, at least `retry_after` steps apart, and only while
+    what its measurements lost against the running mode, plus what this one may lose, stays
+    within its share of `budget` x the time elapsed (the drafters share `budget`; one costly
+    drafter cannot use up another's share). What a measurement may lose: what the drafter's
+    last one lost, or before its first, `first_loss[mode]` running-mode steps (a drafter that
+    adds no forward, n-gram lookup, loses next to nothing; a light path that has not been
+    measured to pay may lose its k draft forwards)."""
 
-    def __init__(self, modes: list[str], window: int = 4, margin: float = 1.05,
-                 min_acceptance: float = 0.1, retry_after: int = 8, budget: float = 0.04):
+    def __init__(self, modes: list[str], first_loss: dict[str, float] | None = None,
+                 window: int = 4, margin: float = 1.05, min_acceptance: float = 0.1,
+                 retry_after: int = 8, budget: float = 0.04):
         self.modes, self.current = modes, "off"
-        self.margin, self.min_acceptance = margin, min_acceptance
-        self.retry_after, self.budget = retry_after, budget
+        self.margin, self.min_acceptance, self.retry_after = margin, min_acceptance, retry_after
+        self.share = budget / max(1, len(modes) - 1)
+        self.first_loss = first_loss or {}
         self.history = {mode: deque(maxlen=window) for mode in modes}
-        self.probes = list(modes)
-        self.last_probe = dict.fromkeys(modes, 0)
-        self.probe_loss = dict.fromkeys(modes, 0.0)   # what the mode's last re-measurement lost
-        self.step, self.elapsed, self.lost = 0, 0.0, 0.0
+        self.last_probe = dict.fromkeys(modes, -retry_after)
+        self.probe_loss = dict.fromkeys(modes, None)   # what the mode's last measurement lost
+        self.lost = dict.fromkeys(modes, 0.0)          # what all its measurements lost
+        self.step, self.elapsed = 0, 0.0
 
     def choose(self) -> str:
         self.step += 1
-        if self.probes:
-            return self.probes.pop(0)
+        if not self.history[self.current]:
+            return self.current
         for mode in self.modes:
             if (mode != self.current and self.step - self.last_probe[mode] >= self.retry_after
-                    and self.lost + self.probe_loss[mode] <= self.budget * self.elapsed):
+                    and self.lost[mode] + self._expected_loss(mode) <= self.share * self.elapsed):
                 self.last_probe[mode] = self.step
                 return mode
         return self.current
@@ -228,9 +233,14 @@ class AutoPolicy:
         if mode != self.current:
             rate = self._rate(self.current)
             self.probe_loss[mode] = max(0.0, seconds - tokens / rate) if rate else 0.0
-            self.lost += self.probe_loss[mode]
-        if all(self.history.values()):   # every mode measured
-            self.current = self._best()
+            self.lost[mode] += self.probe_loss[mode]
+        self.current = self._best()
+
+    def _expected_loss(self, mode: str) -> float:
+        if self.probe_loss[mode] is not None:
+            return self.probe_loss[mode]
+        history = self.history[self.current]
+        return self.first_loss.get(mode, 0.0) * sum(h[1] for h in history) / len(history)
 
     def _best(self) -> str:
         best, best_rate = "off", self._rate("off") * self.margin
@@ -384,14 +394,17 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
            max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
            eos_token_ids=(), stop: list[str] | None = None, decode: Callable | None = None,
            speculate: str = "off", draft_step: Callable | None = None, max_len: int | None = None,
-           draft_tokens: int = 4, draft_threshold: float = 0.5) -> Scheduler:
+           draft_tokens: int = 4, draft_threshold: float = 0.5,
+           draft_cost: float = 1.0) -> Scheduler:
     """Generate from left-padded prompts `input_ids` [B, P] (or [P]); iterate the result for
     (row, token) as tokens are accepted, then call its `result()`.
 
     `speculate`: 'off' (one token per step), 'ngram' (prompt lookup), 'self' (the light path
     `draft_step`, same interface as `step`, drafts on the same cache), or 'auto' (per request,
     whichever of those measures fastest). `draft_tokens`: at most this many drafts per step;
-    `draft_threshold`: the light path stops drafting below this top probability. `stop`
+    `draft_threshold`: the light path stops drafting below this top probability; `draft_cost`:
+    what a light-path forward costs next to a full one, for 'auto' (0 for a light plan that
+    calibration measured to pay: its first step may run at once). `stop`
     strings need `decode` (token ids -> text). `max_len`: the cache length (default: prompt +
     max_new_tokens). Bad input raises a one-line `UserError` before anything runs."""
     prompt_ids, pads = _check_prompts(input_ids, attention_mask)
@@ -411,7 +424,10 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
         drafters["ngram"] = NGramProposer(prompts)
     if speculate in ("self", "auto") and draft_step is not None:
         drafters["self"] = SelfDrafter(runner, sampling, generator, draft_threshold)
-    policy = AutoPolicy(["off", *drafters]) if speculate == "auto" else FixedPolicy(speculate)
+    # before its first step a drafter may lose what it adds to a plain step: nothing for n-gram
+    # lookup, `draft_tokens` light-path forwards for self-drafting
+    first_loss = {"self": draft_tokens * draft_cost}
+    policy = AutoPolicy(["off", *drafters], first_loss) if speculate == "auto" else FixedPolicy(speculate)
     return Scheduler(runner, prompt_ids.to(shape.device), prompts, sampling=sampling,
                      generator=generator, criteria=StopCriteria(max_new_tokens, eos_token_ids, stop or [], decode),
                      drafters=drafters, policy=policy, draft_tokens=draft_tokens)

@@ -12,7 +12,7 @@ from transformers import StaticCache
 
 from rbcompile.drafters import NGramDrafter
 from rbcompile.errors import UserError
-from rbcompile.generation import generate, stream
+from rbcompile.generation import AutoPolicy, generate, stream
 from rbcompile.kv_cache import DecoderShape
 from rbcompile.sampling import SamplingConfig
 
@@ -313,6 +313,41 @@ def test_auto_keeps_speculation_only_when_it_pays(stride, drafts_match):
     else:
         assert stats.drafted > 0 and stats.accepted == 0
         assert stats.steps_by_mode["off"] > 0.85 * stats.decode_steps, stats.steps_by_mode
+
+
+def run_policy(policy, steps, step_seconds, accepted):
+    """Drive `policy` for `steps` steps: a step of mode m takes `step_seconds[m]` and keeps
+    `accepted[m]` of its 4 drafts. Returns the modes it chose."""
+    chosen = []
+    for _ in range(steps):
+        mode = policy.choose()
+        drafted = 0 if mode == "off" else 4
+        policy.record(mode, 1 + accepted.get(mode, 0), step_seconds[mode], drafted, accepted.get(mode, 0))
+        chosen.append(mode)
+    return chosen
+
+
+def test_auto_measures_a_costly_drafter_only_within_its_share():
+    """An unmeasured light path that may cost its 4 draft forwards is not tried before its
+    share of the budget (2% of the elapsed time with two drafters) can pay for that; n-gram
+    drafts (no extra forward) are tried at once, and the light path's measurements never stop
+    n-gram's from being retried."""
+    policy = AutoPolicy(["off", "ngram", "self"], {"self": 4.0})
+    chosen = run_policy(policy, 400, {"off": 0.1, "ngram": 0.11, "self": 0.5},
+                        {"ngram": 0, "self": 0})
+    assert chosen[:2] == ["off", "ngram"]
+    assert "self" not in chosen[:190]   # its 4 steps of loss (0.4 s) fit 2% of 20 s: ~200 steps
+    lost = {mode: policy.lost[mode] for mode in ("ngram", "self")}
+    assert all(loss <= 0.02 * policy.elapsed for loss in lost.values()), lost
+    probes = [i for i, mode in enumerate(chosen) if mode == "ngram"]
+    assert len(probes) > 40 and max(b - a for a, b in zip(probes, probes[1:])) <= 10
+    assert chosen.count("off") > 0.85 * len(chosen)
+
+
+def test_auto_runs_a_paying_drafter_it_has_measured():
+    policy = AutoPolicy(["off", "ngram"])
+    chosen = run_policy(policy, 50, {"off": 0.1, "ngram": 0.12}, {"ngram": 3})
+    assert chosen[:2] == ["off", "ngram"] and chosen[2:].count("ngram") > 0.85 * 48
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
