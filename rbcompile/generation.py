@@ -192,10 +192,11 @@ class FixedPolicy:
 class AutoPolicy:
     """Per-request choice among 'off' and drafters by measured tokens per second.
 
-    'off' runs first; then the fastest mode over its last `window` steps runs. A drafter must
+    'off' runs first; then the fastest mode over its last `window` steps runs (a mode that is
+    not running is judged by its last measurement alone). A drafter must
     beat 'off' by `margin` and keep at least `min_acceptance` of its drafts (so with drafts
     that never match, speculation turns off whatever the timings' noise). A drafter that is not
-    running is measured one step at a time, at least `retry_after` steps apart, and only while
+    running is measured one step at a time, at least `retry_after` steps after it last ran, and only while
     what its measurements lost against the running mode, plus what this one may lose, stays
     within its share of `budget` x the time elapsed (the drafters share `budget`; one costly
     drafter cannot use up another's share). What a measurement may lose: what the drafter's
@@ -205,13 +206,13 @@ class AutoPolicy:
 
     def __init__(self, modes: list[str], first_loss: dict[str, float] | None = None,
                  window: int = 4, margin: float = 1.05, min_acceptance: float = 0.1,
-                 retry_after: int = 8, budget: float = 0.04):
+                 retry_after: int = 4, budget: float = 0.04):
         self.modes, self.current = modes, "off"
         self.margin, self.min_acceptance, self.retry_after = margin, min_acceptance, retry_after
         self.share = budget / max(1, len(modes) - 1)
         self.first_loss = first_loss or {}
         self.history = {mode: deque(maxlen=window) for mode in modes}
-        self.last_probe = dict.fromkeys(modes, -retry_after)
+        self.last_measured = dict.fromkeys(modes, -retry_after)
         self.probe_loss = dict.fromkeys(modes, None)   # what the mode's last measurement lost
         self.lost = dict.fromkeys(modes, 0.0)          # what all its measurements lost
         self.step, self.elapsed = 0, 0.0
@@ -221,14 +222,16 @@ class AutoPolicy:
         if not self.history[self.current]:
             return self.current
         for mode in self.modes:
-            if (mode != self.current and self.step - self.last_probe[mode] >= self.retry_after
+            if (mode != self.current and self.step - self.last_measured[mode] >= self.retry_after
                     and self.lost[mode] + self._expected_loss(mode) <= self.share * self.elapsed):
-                self.last_probe[mode] = self.step
                 return mode
         return self.current
 
     def record(self, mode, tokens, seconds, drafted, kept):
+        if mode != self.current:
+            self.history[mode].clear()   # a re-measurement stands for the mode as it is now
         self.history[mode].append((tokens, seconds, drafted, kept))
+        self.last_measured[mode] = self.step
         self.elapsed += seconds
         if mode != self.current:
             rate = self._rate(self.current)

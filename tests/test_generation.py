@@ -279,14 +279,15 @@ def test_bad_input_is_a_one_line_user_error(models, options, message):
 
 class StrideModel:
     """A fake step: after token t comes (t + stride) mod vocab, with certainty. Each call takes
-    2 ms, as a forward would, so auto's timings are not noise from a busy machine."""
+    2 ms and 1 ms more per token past the first, as a forward would, so auto's timings are not
+    noise from a busy machine."""
 
     def __init__(self, stride):
         self.stride = stride
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, logit_positions, kv,
                  gates=None):
-        time.sleep(0.002)
+        time.sleep(0.001 + 0.001 * input_ids.shape[1])
         following = (input_ids[:, logit_positions] + self.stride) % TINY_VOCAB
         return torch.nn.functional.one_hot(following, TINY_VOCAB).float() * 20
 
@@ -341,7 +342,7 @@ def test_auto_measures_a_costly_drafter_only_within_its_share():
     assert all(loss <= 0.02 * policy.elapsed for loss in lost.values()), lost
     probes = [i for i, mode in enumerate(chosen) if mode == "ngram"]
     assert len(probes) > 40 and max(b - a for a, b in zip(probes, probes[1:])) <= 10
-    assert chosen.count("off") > 0.85 * len(chosen)
+    assert policy.elapsed <= 1.04 * 400 * 0.1 + 0.11   # 4% slower than plain decoding at most (+ n-gram's first step)
 
 
 def test_auto_runs_a_paying_drafter_it_has_measured():
