@@ -131,9 +131,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="decoders: sample from the smallest set of "
                    "tokens holding this probability")
     p.add_argument("--seed", type=int, help="decoders: seed of the sampler")
-    p.add_argument("--consistency", choices=("off", "1", "3", "7"), default="off",
+    p.add_argument("--consistency", choices=("off", "1", "3", "7", "auto"), default="off",
                    help="decoders: draw this many samples (with --temperature) sharing one "
-                   "prefill and print the answer their majority vote gives")
+                   "prefill and print the answer their majority vote gives; auto: as many as "
+                   "the complexity router trained for the checkpoint picks")
     p.add_argument("--extract", default="first-line", help="with --consistency: how an answer is "
                    "read from a sample: first-line (default), last-number, choice (a letter "
                    "A-E), regex:PATTERN (its first group, else the match)")
@@ -459,8 +460,8 @@ def _vote_texts(model, args) -> None:
     from .consistency import VoteOptions
     from .errors import UserError
 
-    k = int(args.consistency)
-    if k > 1 and args.temperature is None:
+    k = args.consistency if args.consistency == "auto" else int(args.consistency)
+    if k != 1 and args.temperature is None:
         raise UserError(f"--consistency {k} needs --temperature (greedy samples are all the same)")
     for text in args.text:
         ids = model.tokenizer(text, return_tensors="pt")["input_ids"]
@@ -473,7 +474,8 @@ def _vote_texts(model, args) -> None:
         stats = result.stats
         votes = ", ".join(f"{answer!r}: {count}" for answer, count in result.votes.items())
         print(f"{text!r} -> {result.answer!r}")
-        print(f"  votes {{{votes}}} from {stats.voted} of {stats.samples} samples"
+        tier = "" if stats.tier is None else f"router: {stats.tier} samples; "
+        print(f"  {tier}votes {{{votes}}} from {stats.voted} of {stats.samples} samples"
               f"{' (stopped early)' if stats.stopped_early else ''}; {stats.prefills} prefill, "
               f"{stats.new_tokens} tokens in {stats.seconds:.2f} s")
 

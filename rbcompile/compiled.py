@@ -224,10 +224,12 @@ class CompiledModel:
         token for token whatever the drafter; sampling keeps its distribution.
 
         `consistency`: "off", or 1, 3 or 7 samples of one prompt voted on (self-consistency,
-        rbcompile/consistency.py: one prefill shared by the samples, sample i seeded seed + i,
-        early stop once the vote is decided): a `ConsistencyResult` (the voted answer, its
-        votes, the samples, stats); `vote` (`VoteOptions`) sets answer extraction, the semantic
-        tie-break and the early stop."""
+        rbcompile/consistency.py: the samples share the prompt's K/V, sample i seeded seed + i,
+        early stop once the vote is decided), or "auto": as many as the complexity router
+        trained for this checkpoint picks from the prompt and its first-token logits
+        (rbcompile/consistency_router.py). A `ConsistencyResult` (the voted answer, its votes,
+        the samples, stats); `vote` (`VoteOptions`) sets answer extraction, the semantic
+        tie-break, the early stop and the router."""
         from functools import partial
 
         from .generation import generate, stream as stream_tokens
@@ -241,7 +243,7 @@ class CompiledModel:
             from .consistency import generate_voted
 
             if consistency == "off":
-                raise UserError("vote options need consistency=1, 3 or 7")
+                raise UserError("vote options need consistency=1, 3, 7 or 'auto'")
             return generate_voted(self, input_ids, attention_mask, consistency, vote=vote,
                                   speculate=speculate, stream=stream,
                                   max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,

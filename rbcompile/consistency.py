@@ -30,6 +30,7 @@ from .sampling import SamplingConfig
 
 CONSISTENCY_SAMPLES = (1, 3, 7)   # the tiers `generate(consistency=...)` accepts
 EARLY_STOPS = ("adaptive", "overtake", "off")
+DRAWS = ("all", "waves")
 CRITERIA = ("beta", "dirichlet")
 EXTRACTORS = ("first-line", "last-number", "choice", "regex:PATTERN")
 
@@ -194,13 +195,24 @@ class VoteOptions:
     et al. 2023, "Let's Sample Step by Step: Adaptive-Consistency for Efficient Reasoning and
     Coding with LLMs"): the posterior probability that the leader is the majority answer
     (`leader_probability`) reaches `confidence`, over the top two clusters ('beta', the paper's
-    default) or all of them ('dirichlet'); 'off' waits for every sample."""
+    default) or all of them ('dirichlet'); 'off' waits for every sample.
+
+    `draw`: 'all' (default) draws the k at once (one prefill) and cancels the rows still
+    running once the vote is decided (rows run in lockstep, so that saves few tokens but no
+    time is lost); 'waves', with an early stop, draws the fewest samples that could decide the
+    vote (4 of 7 when they all agree), then again as many as could decide it from there, each
+    wave a group whose prompt K/V come from the prefix cache: a decided vote leaves samples
+    undrawn (fewer tokens), at the price of a wave's latency when it is not decided.
+    `router`: for consistency='auto', a `ComplexityRouter` or its JSON file (default: the one
+    shipped for the artifact's checkpoint)."""
     extract: str | Callable[[str], str | None] = "first-line"
     embed: Callable[[list[str]], torch.Tensor] | None = None
     threshold: float = 0.9
     early_stop: str = "adaptive"
     confidence: float = 0.95
     criterion: str = "beta"
+    draw: str = "all"
+    router: object = None
 
     def __post_init__(self):
         extractor(self.extract)
@@ -213,6 +225,8 @@ class VoteOptions:
             raise UserError(f"confidence must be in (0.5, 1], got {self.confidence}")
         if self.criterion not in CRITERIA:
             raise UserError(f"unknown criterion {self.criterion!r}; valid: {', '.join(CRITERIA)}")
+        if self.draw not in DRAWS:
+            raise UserError(f"unknown draw {self.draw!r}; valid: {', '.join(DRAWS)}")
 
 
 @dataclass
@@ -260,35 +274,49 @@ class Voter:
         self.answers.append(self.answer(text))
         similarity = self._similarity if self.options.embed is not None else None
         self.clusters = tally(self.answers, similarity, self.options.threshold)
-        remaining = self.samples - len(self.answers)
-        stop = self.options.early_stop
-        self.decided = (remaining == 0 or (stop != "off" and self._safe(remaining))
-                        or (stop == "adaptive" and self._confident()))
+        self.decided = self._decides(0)
         return self.decided
+
+    def needed(self) -> int:
+        """The fewest further samples that could decide the vote (all agreeing with the leader,
+        or with a first answer when there is none yet): what a wave draws."""
+        remaining = self.samples - len(self.answers)
+        return next((m for m in range(1, remaining) if self._decides(m)), remaining)
 
     def vote(self) -> Vote:
         return Vote(self.clusters, list(self.answers), early=len(self.answers) < self.samples)
 
-    def _safe(self, remaining: int) -> bool:
-        """The leader keeps the lead whatever the remaining samples answer. Without merging,
-        the strongest rival is the runner-up; with it, answers still to come may connect every
-        other cluster into one, so the rival is all of them together."""
-        if not self.clusters:
+    def _decides(self, more: int) -> bool:
+        """Whether the vote is decided once `more` further answers all join the leader (0: now)."""
+        remaining = self.samples - len(self.answers) - more
+        if remaining == 0:
+            return True
+        stop = self.options.early_stop
+        if stop == "off" or not (self.clusters or more):
             return False
-        leader, rivals = self.clusters[0], self.clusters[1:]
+        if self.clusters:
+            leader, rivals = self.clusters[0], self.clusters[1:]
+            votes, first = leader.votes + more, leader.first
+        else:
+            votes, first, rivals = more, len(self.answers), []
+        return (self._safe(votes, first, rivals, remaining)
+                or (stop == "adaptive" and self._confident([votes] + [c.votes for c in rivals])))
+
+    def _safe(self, votes: int, first: int, rivals: list[Cluster], remaining: int) -> bool:
+        """The leader (`votes`, first arrival `first`) keeps the lead whatever the remaining
+        samples answer. Without merging, the strongest rival is the runner-up; with it, answers
+        still to come may connect every other cluster into one, so the rival is all of them
+        together."""
         if self.options.embed is not None:
             rival_votes = sum(cluster.votes for cluster in rivals)
-            rival_first = min((cluster.first for cluster in rivals), default=len(self.answers))
+            rival_first = min((cluster.first for cluster in rivals), default=self.samples)
         else:
             rival_votes, rival_first = ((rivals[0].votes, rivals[0].first) if rivals
-                                        else (0, len(self.answers)))
+                                        else (0, self.samples))
         best = rival_votes + remaining   # a new answer arrives after the leader's first vote
-        return leader.votes > best or (leader.votes == best and leader.first < rival_first)
+        return votes > best or (votes == best and first < rival_first)
 
-    def _confident(self) -> bool:
-        counts = [cluster.votes for cluster in self.clusters]
-        if not counts:
-            return False
+    def _confident(self, counts: list[int]) -> bool:
         counts = counts if len(counts) > 1 else counts + [0]
         if self.options.criterion == "beta":
             counts = counts[:2]
@@ -338,7 +366,7 @@ def minilm_embed(encoder=None) -> Callable[[list[str]], torch.Tensor]:
 
 @dataclass
 class Sample:
-    """One of the k samples (in seed order)."""
+    """One of the samples drawn (in seed order)."""
     seed: int | None
     tokens: list[int]             # generated so far (EOS included); partial when cancelled
     finish_reason: str            # 'stop', 'length' or 'cancelled'
@@ -356,6 +384,8 @@ class ConsistencyStats:
     decode_steps: int
     stopped_early: bool
     seconds: float
+    drawn: int = 0                # samples drawn (with waves, fewer than k once decided)
+    tier: int | None = None       # consistency='auto': the router's number of samples
 
 
 @dataclass
@@ -377,13 +407,16 @@ class ConsistencyResult:
 
 
 class SampleGroup:
-    """The k samples of one prompt on a `BatchEngine` (whose thread runs the callbacks):
-    submitted as one group, each finished row's text voted on as it arrives, the rows still
-    running cancelled once the vote is decided."""
+    """The k samples of one prompt on a `BatchEngine` (whose thread runs the callbacks), each
+    finished row's text voted on as it arrives. Drawn at once as one group (rows still running
+    cancelled once the vote is decided), or with `VoteOptions.draw='waves'` and an early stop
+    in waves of `Voter.needed()` samples, the next wave submitted when one has finished
+    undecided."""
 
     def __init__(self, engine, prompt: list[int], k: int, *, max_new_tokens: int,
                  sampling: SamplingConfig, stop: list[str] | None = None,
-                 budget: float | None = None, options: VoteOptions = VoteOptions()):
+                 budget: float | None = None, options: VoteOptions = VoteOptions(),
+                 on_token: Callable[[int], None] | None = None):
         from .engine import EngineRequest
 
         if engine.decode is None:
@@ -393,13 +426,27 @@ class SampleGroup:
         self.voted: list[EngineRequest] = []   # in arrival order
         self.seeds = [None if sampling.seed is None else sampling.seed + i for i in range(k)]
         self.requests = [EngineRequest(prompt, max_new_tokens, replace(sampling, seed=seed),
-                                       list(stop or []), budget, on_finish=self._finished)
+                                       list(stop or []), budget, on_token=on_token,
+                                       on_finish=self._finished)
                          for seed in self.seeds]
-        engine.submit_samples(self.requests)
+        self.waves = options.draw == "waves" and options.early_stop != "off"
+        self.drawn = 0
+        self._draw()
 
     @property
     def done(self) -> bool:
-        return all(request.finish_reason is not None for request in self.requests)
+        return all(request.finish_reason is not None for request in self.requests[:self.drawn])
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens generated by the samples drawn, cancelled rows included."""
+        return sum(len(request.tokens) for request in self.requests[:self.drawn])
+
+    def _draw(self) -> None:
+        count = self.voter.needed() if self.waves else len(self.requests)
+        wave = self.requests[self.drawn:self.drawn + count]
+        self.drawn += count
+        self.engine.submit_samples(wave)
 
     def _finished(self, request) -> None:
         if request.finish_reason not in ("stop", "length"):
@@ -410,9 +457,11 @@ class SampleGroup:
             return
         self.voted.append(request)
         if self.voter.add(self.texts[request]):
-            for other in self.requests:
+            for other in self.requests[:self.drawn]:
                 if other.finish_reason is None:
                     self.engine.cancel(other)
+        elif len(self.voted) == self.drawn:
+            self._draw()
 
     def result(self, stats: ConsistencyStats) -> ConsistencyResult:
         """Once `done`."""
@@ -420,51 +469,145 @@ class SampleGroup:
         samples = [Sample(seed, request.tokens, request.finish_reason, self.texts.get(request),
                           self.voter.answer(self.texts[request]) if request in self.texts else None,
                           request in self.voted)
-                   for seed, request in zip(self.seeds, self.requests)]
+                   for seed, request in zip(self.seeds, self.requests[:self.drawn])]
         winners = set(vote.clusters[0].members) if vote.clusters else set()
         text = next((self.texts[request] for request, answer in zip(self.voted, vote.answers)
                      if answer in winners), None)
         return ConsistencyResult(vote, text, samples, stats)
 
 
-def sample_and_vote(compiled, prompt_ids, k: int, *, max_new_tokens: int,
-                    sampling: SamplingConfig = SamplingConfig(), stop: list[str] | None = None,
-                    budget: float | None = None,
-                    options: VoteOptions = VoteOptions()) -> ConsistencyResult:
-    """k samples of one prompt (token ids) with the decoder artifact `compiled`, as k rows of one
-    batch that share a single prefill, voted on as they finish; the rows still running when the
-    vote is decided are cancelled. Sample i samples with seed `sampling.seed + i`; k > 1 needs
-    `sampling.do_sample` (greedy samples would all be the same)."""
+def _check_samples(k: int, sampling: SamplingConfig) -> None:
     if k < 1:
         raise UserError(f"k must be >= 1 samples, got {k}")
     if k > 1 and not sampling.do_sample:
         raise UserError(f"{k} samples need sampling (do_sample=True): greedy ones are identical")
+
+
+def _engine(compiled, k: int, prefix_cache):
+    from .prefix_cache import PrefixCache
+
+    return compiled.batch_engine(max_batch=k, prefix_cache=prefix_cache or PrefixCache())
+
+
+def _finish(engine, group, started: float) -> ConsistencyResult:
+    """Step `engine` until it is idle, then `group`'s result (a `SampleGroup` or
+    `RoutedGroup`)."""
+    while engine.has_work:
+        engine.step()
+    samples = getattr(group, "group", group)
+    stats = ConsistencyStats(samples=len(samples.requests), voted=len(samples.voted),
+                             new_tokens=group.new_tokens, prefills=engine.stats.prefills,
+                             decode_steps=engine.stats.decode_steps,
+                             stopped_early=samples.voter.vote().early,
+                             seconds=perf_counter() - started, drawn=samples.drawn,
+                             tier=getattr(group, "tier", None))
+    return group.result(stats)
+
+
+def sample_and_vote(compiled, prompt_ids, k: int, *, max_new_tokens: int,
+                    sampling: SamplingConfig = SamplingConfig(), stop: list[str] | None = None,
+                    budget: float | None = None, options: VoteOptions = VoteOptions(),
+                    prefix_cache=None) -> ConsistencyResult:
+    """k samples of one prompt (token ids) with the decoder artifact `compiled`, as rows of a
+    batch that share the prompt's K/V (one prefill; waves reuse it from the prefix cache),
+    voted on as they finish; rows still running when the vote is decided are cancelled.
+    Sample i samples with seed `sampling.seed + i`; k > 1 needs `sampling.do_sample` (greedy
+    samples would all be the same). `prefix_cache` (a `PrefixCache`) may be shared across
+    calls, e.g. prompts with one few-shot prefix; default: one for this call."""
+    _check_samples(k, sampling)
     started = perf_counter()
-    engine = compiled.batch_engine(max_batch=k)
+    engine = _engine(compiled, k, prefix_cache)
     group = SampleGroup(engine, [int(token) for token in prompt_ids], k,
                         max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                         budget=budget, options=options)
-    while engine.has_work:
-        engine.step()
-    stats = ConsistencyStats(samples=k, voted=len(group.voted),
-                             new_tokens=sum(len(request.tokens) for request in group.requests),
-                             prefills=engine.stats.prefills, decode_steps=engine.stats.decode_steps,
-                             stopped_early=group.voter.vote().early,
-                             seconds=perf_counter() - started)
-    return group.result(stats)
+    return _finish(engine, group, started)
+
+
+class LogitsTap:
+    """An engine's decoder, keeping its last output (the logits a prefill's first token is drawn
+    from, while that token's `on_token` runs)."""
+
+    def __init__(self, step):
+        self.step, self.last = step, None
+
+    def __call__(self, *args, **kwargs):
+        self.last = self.step(*args, **kwargs)
+        return self.last
+
+
+class RoutedGroup:
+    """`consistency='auto'` for one prompt on a `BatchEngine`: its greedy row joins the batch;
+    when its prefill's first token arrives, the router (`ComplexityRouter`) reads the prompt
+    and that prefill's logits and picks 1, 3 or 7 samples. 1: the greedy row goes on and is the
+    answer; 3 or 7: it is cancelled (its tokens are counted in `new_tokens`) and a
+    `SampleGroup` is drawn, whose prompt K/V come from the engine's prefix cache when it has
+    one. The engine's decoder is wrapped in a `LogitsTap` (once)."""
+
+    def __init__(self, engine, prompt: list[int], router, *, max_new_tokens: int,
+                 sampling: SamplingConfig, stop: list[str] | None = None,
+                 budget: float | None = None, options: VoteOptions = VoteOptions()):
+        _check_samples(max(router.tiers), sampling)
+        if not isinstance(engine.step_fn, LogitsTap):
+            engine.step_fn = LogitsTap(engine.step_fn)
+        self.engine, self.prompt, self.router, self.tier = engine, prompt, router, None
+        self.features: list[float] | None = None
+        self.options = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                            budget=budget, options=options)
+        self.greedy = SampleGroup(engine, prompt, 1, **{**self.options, "sampling": replace(
+            sampling, do_sample=False)}, on_token=self._route)
+        self.group = self.greedy
+
+    def _route(self, token: int) -> None:
+        if self.tier is not None:
+            return
+        from .consistency_router import prompt_features
+
+        self.features = prompt_features(self.engine.decode(self.prompt),
+                                        self.engine.step_fn.last[0, -1])
+        self.tier = self.router.tier(self.features)
+        if self.tier > 1:
+            self.engine.cancel(self.greedy.requests[0])
+            self.group = SampleGroup(self.engine, self.prompt, self.tier, **self.options)
+
+    @property
+    def done(self) -> bool:
+        return self.greedy.done and self.group.done
+
+    @property
+    def new_tokens(self) -> int:
+        """The samples' tokens, and the greedy row's when it was cancelled for them."""
+        return self.group.new_tokens + (self.greedy.new_tokens if self.group is not self.greedy
+                                        else 0)
+
+    def result(self, stats: ConsistencyStats) -> ConsistencyResult:
+        return self.group.result(stats)
+
+
+def route_and_vote(compiled, prompt_ids, *, router, max_new_tokens: int,
+                   sampling: SamplingConfig, stop: list[str] | None = None,
+                   budget: float | None = None, options: VoteOptions = VoteOptions(),
+                   prefix_cache=None) -> ConsistencyResult:
+    """`consistency='auto'`: a `RoutedGroup` on an engine of its own (with a prefix cache, so
+    the samples reuse the greedy row's prompt K/V); `stats.tier` says what the router chose."""
+    _check_samples(max(router.tiers), sampling)
+    started = perf_counter()
+    engine = _engine(compiled, max(router.tiers), prefix_cache)
+    group = RoutedGroup(engine, [int(token) for token in prompt_ids], router,
+                        max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                        budget=budget, options=options)
+    return _finish(engine, group, started)
 
 
 def generate_voted(compiled, input_ids, attention_mask, consistency, *, vote: VoteOptions | None,
                    speculate: str, stream: bool, **options) -> ConsistencyResult:
-    """`CompiledModel.generate(..., consistency=k)`: checks the options (one-line errors), then
-    `sample_and_vote` on the one prompt; `options` are sample_and_vote's."""
+    """`CompiledModel.generate(..., consistency=k or 'auto')`: checks the options (one-line
+    errors), then `sample_and_vote` (or `route_and_vote` with the artifact's router) on the one
+    prompt; `options` are sample_and_vote's."""
     from .generation import _check_prompts
 
-    if consistency == "auto":
-        raise UserError("consistency='auto' needs the complexity router, which is not trained "
-                        "yet; use 1, 3 or 7")
-    if type(consistency) is not int or consistency not in CONSISTENCY_SAMPLES:
-        raise UserError(f"consistency must be 'off', 1, 3 or 7, got {consistency!r}")
+    if consistency != "auto" and (type(consistency) is not int
+                                  or consistency not in CONSISTENCY_SAMPLES):
+        raise UserError(f"consistency must be 'off', 1, 3, 7 or 'auto', got {consistency!r}")
     if speculate != "off":
         raise UserError(f"consistency={consistency} does not combine with speculate={speculate!r}")
     if stream:
@@ -473,5 +616,14 @@ def generate_voted(compiled, input_ids, attention_mask, consistency, *, vote: Vo
     if prompt_ids.shape[0] != 1:
         raise UserError(f"consistency votes over the samples of one prompt; got a batch of "
                         f"{prompt_ids.shape[0]}")
-    return sample_and_vote(compiled, prompt_ids[0, int(pads[0]):], consistency,
-                           options=vote or VoteOptions(), **options)
+    vote = vote or VoteOptions()
+    if consistency == "auto":
+        from .consistency_router import find_router
+
+        if not options["sampling"].do_sample:
+            raise UserError("consistency='auto' needs sampling (do_sample=True) for its 3- and "
+                            "7-sample tiers")
+        return route_and_vote(compiled, prompt_ids[0, int(pads[0]):],
+                              router=find_router(compiled, vote.router), options=vote, **options)
+    return sample_and_vote(compiled, prompt_ids[0, int(pads[0]):], consistency, options=vote,
+                           **options)

@@ -96,6 +96,8 @@ class CompletionExtension(_Strict):
     budget: float | None = Field(None, ge=0, le=1)
     speculate: Literal[SPECULATE_MODES] = "off"
     qos: Literal[QOS_CLASSES] = "standard"
+    consistency: Literal[1, 3, 7, "auto"] | None = None   # voted samples (rbcompile/consistency.py)
+    extract: str = "first-line"   # with consistency: how an answer is read from a sample
 
 
 class EmbeddingExtension(_Strict):
@@ -652,6 +654,8 @@ class _Service:
                   "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.name}
         await self._admit(body.rbcompile.qos)
+        if body.rbcompile.consistency is not None:
+            return await self._voted(body, batch, stop, max_tokens, header, fmt, prompt_tokens)
         if body.rbcompile.speculate == "off":
             run = self._batched(body, batch, stop, max_tokens)
         else:
@@ -733,6 +737,34 @@ class _Service:
             for request in requests:
                 if request.finish_reason is None:
                     self.worker.engine.cancel(request)
+
+    async def _voted(self, body, batch, stop: list[str], max_tokens: int, header: dict,
+                     fmt: ChoiceFormat, prompt_tokens: int) -> dict:
+        """`rbcompile.consistency`: one choice, the text of a sample giving the answer voted
+        over 1, 3 or 7 samples (or as many as the complexity router picks: 'auto'), drawn by
+        `generate(consistency=...)` on the model thread (its own batch, between the engine's
+        steps); `rbcompile` in the response holds the answer, its votes and the samples."""
+        from rbcompile.consistency import VoteOptions
+
+        if body.n != 1 or body.stream:
+            raise ApiError(400, "rbcompile.consistency gives one voted choice: it takes n=1 and "
+                           "no stream", "rbcompile")
+        vote = VoteOptions(extract=body.rbcompile.extract)
+        result = await self.worker.call(
+            self.compiled.generate, batch["input_ids"], batch["attention_mask"],
+            max_new_tokens=max_tokens, do_sample=body.temperature > 0,
+            temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
+            seed=body.seed, stop=stop or None, budget=body.rbcompile.budget,
+            speculate=body.rbcompile.speculate, consistency=body.rbcompile.consistency, vote=vote)
+        winner = next((sample for sample in result.samples
+                       if sample.voted and sample.text == result.text), None)
+        reason = "length" if winner is not None and winner.finish_reason == "length" else "stop"
+        stats = result.stats
+        return {**header, "choices": [fmt.choice(0, result.text or "", reason)],
+                "usage": _usage(prompt_tokens, stats.new_tokens),
+                "rbcompile": {"answer": result.answer, "votes": result.votes,
+                              "samples": stats.drawn, "voted": stats.voted,
+                              "stopped_early": stats.stopped_early, "tier": stats.tier}}
 
     async def _generated(self, body, batch, stop: list[str], max_tokens: int) -> "_TokenRun":
         """The choices through speculative `generate` as one batch on the model thread (the

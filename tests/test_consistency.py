@@ -266,9 +266,10 @@ def test_engine_groups_wait_for_rows_and_keep_single_requests_as_they_were(llama
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"consistency": "auto"}, "the complexity router, which is not trained yet"),
-    ({"consistency": 5}, "consistency must be 'off', 1, 3 or 7, got 5"),
-    ({"consistency": True}, "consistency must be 'off', 1, 3 or 7, got True"),
+    ({"consistency": "auto", "do_sample": True}, "no complexity router for this artifact"),
+    ({"consistency": "auto"}, "'auto' needs sampling"),
+    ({"consistency": 5}, "consistency must be 'off', 1, 3, 7 or 'auto', got 5"),
+    ({"consistency": True}, "consistency must be 'off', 1, 3, 7 or 'auto', got True"),
     ({"consistency": 3}, "3 samples need sampling"),
     ({"consistency": 3, "do_sample": True, "speculate": "ngram"}, "does not combine with spec"),
     ({"consistency": 3, "do_sample": True, "stream": True}, "does not stream"),
@@ -287,6 +288,7 @@ def test_bad_options_are_one_line_errors(llama, options, message):
     ({"confidence": 0.5}, "confidence must be in"), ({"criterion": "gamma"}, "unknown criterion"),
     ({"extract": "regex:("}, "bad answer regex"),
     ({"extract": "last-word"}, "unknown answer extractor"),
+    ({"draw": "some"}, "unknown draw"),
 ])
 def test_bad_vote_options_are_one_line_errors(options, message):
     with pytest.raises(UserError, match=message) as error:
@@ -300,3 +302,160 @@ def test_minilm_merges_paraphrases(minilm):
     assert majority_vote(answers).answer == "london"
     vote = majority_vote(answers, VoteOptions(embed=embed, threshold=0.85))
     assert vote.votes == {"paris": 3, "london": 2, "rome": 1}, vote.votes
+
+
+# ---- waves and the complexity router (consistency="auto") -------------------------------------
+
+LONG_PROMPT = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]
+
+
+def test_needed_is_the_fewest_agreeing_samples_that_decide():
+    """`Voter.needed()` more answers agreeing with the leader decide the vote; one fewer does not."""
+    assert Voter(7).needed() == 4 and Voter(3).needed() == 2 and Voter(1).needed() == 1
+    rng = random.Random(2)
+    for trial in range(300):
+        k = rng.choice([3, 5, 7])
+        options = VoteOptions(early_stop=("overtake", "adaptive")[trial % 2])
+        voter = Voter(k, options)
+        for text in random_answers(rng, rng.randrange(k)):
+            if voter.add(text):
+                break
+        if voter.decided:
+            continue
+        needed = voter.needed()
+        leader = voter.clusters[0].answer if voter.clusters else "new"
+        for more, decides in ((needed - 1, False), (needed, True)):
+            replay = Voter(k, options)
+            answers = voter.answers + [leader] * more
+            assert [replay.add(answer) for answer in answers][-1:] in ([], [decides]), answers
+
+
+def test_waves_draw_only_the_samples_that_could_decide(llama):
+    """With waves, 7 agreeing samples stop after the first wave of 4 (never drawn, not
+    cancelled); disagreeing ones draw a second wave whose prompt K/V come from the prefix cache;
+    every sample keeps the tokens it gets alone, and the vote is the all-at-once vote's."""
+    from rbcompile.prefix_cache import PrefixCache
+
+    same = sample_and_vote(llama, LONG_PROMPT, 7, max_new_tokens=6, sampling=SAMPLED,
+                           options=VoteOptions(extract=lambda text: "same", draw="waves"))
+    assert same.stats.drawn == 4 and same.stats.voted == 4 and same.stats.prefills == 1
+    assert "cancelled" not in [s.finish_reason for s in same.samples] and same.votes == {"same": 4}
+    cache = PrefixCache()
+    waves = sample_and_vote(llama, LONG_PROMPT, 7, max_new_tokens=6, sampling=SAMPLED,
+                            options=VoteOptions(extract=lambda text: text, draw="waves",
+                                                early_stop="overtake"), prefix_cache=cache)
+    at_once = sample_and_vote(llama, LONG_PROMPT, 7, max_new_tokens=6, sampling=SAMPLED,
+                              options=VoteOptions(extract=lambda text: text, early_stop="off"))
+    assert waves.stats.prefills > 1 and cache.stats.reused_tokens >= 16 * (waves.stats.prefills - 1)
+    assert at_once.stats.prefills == 1
+    for wave, whole in zip(waves.samples, at_once.samples):
+        assert wave.tokens == whole.tokens and wave.seed == whole.seed
+    if waves.stats.drawn == 7:
+        assert waves.votes == at_once.votes
+
+
+def test_prompt_features():
+    from rbcompile.consistency_router import FEATURES, prompt_features, question_type
+
+    features = dict(zip(FEATURES, prompt_features("a shot\nWhat is 12 + 7?", torch.zeros(50))))
+    assert features["entropy"] == pytest.approx(numpy.log(50)) and features["top_margin"] == 0
+    assert features["top_probability"] == pytest.approx(1 / 50)
+    assert features["type_reasoning"] == 1 and features["log_words"] == pytest.approx(numpy.log1p(6))
+    peaked = dict(zip(FEATURES, prompt_features("x", torch.tensor([10.0, 0.0, 0.0]))))
+    assert peaked["entropy"] < 0.01 and peaked["top_margin"] > 0.99
+    assert [question_type(t.split()) for t in ("Write a poem", "The capital of Peru is",
+                                                "How many legs")] == ["creative", "fact", "reasoning"]
+
+
+def synthetic_tiers(n: int, seed: int):
+    """Feature rows whose tier follows the entropy and number share (with a little noise)."""
+    from rbcompile.consistency_router import FEATURES
+
+    rng = numpy.random.default_rng(seed)
+    x = rng.normal(size=(n, len(FEATURES)))
+    score = x[:, FEATURES.index("entropy")] + 0.5 * x[:, FEATURES.index("number_share")]
+    tiers = numpy.where(score < 0, 1, numpy.where(score < 1, 3, 7))
+    return x.tolist(), tiers.tolist()
+
+
+def test_router_training_is_deterministic_and_learns(tmp_path):
+    from rbcompile.consistency_router import ComplexityRouter, train_router
+
+    x, tiers = synthetic_tiers(300, 0)
+    first, again = train_router(x, tiers, seed=3), train_router(x, tiers, seed=3)
+    assert first.save(tmp_path / "a.json").read_text() == again.save(tmp_path / "b.json").read_text()
+    other = train_router(x, tiers, seed=4)
+    assert other.weights != first.weights   # another start: another (nearby) optimum
+    test_x, test_tiers = synthetic_tiers(300, 1)
+    accuracy = numpy.mean([first.tier(row) == tier for row, tier in zip(test_x, test_tiers)])
+    assert accuracy > 0.85, accuracy
+    loaded = ComplexityRouter.load(tmp_path / "a.json")
+    assert torch.equal(loaded.probabilities(test_x), first.probabilities(test_x))
+
+
+def test_bad_router_input_is_a_one_line_error(tmp_path, llama):
+    from rbcompile.consistency_router import ComplexityRouter, find_router, train_router
+
+    x, tiers = synthetic_tiers(20, 0)
+    (tmp_path / "bad.json").write_text('{"mean": [1]}')
+    for call, message in [(lambda: train_router(x, tiers[:5]), "router training needs"),
+                          (lambda: train_router(x, [2] * 20), "router tiers must be 1, 3 or 7"),
+                          (lambda: ComplexityRouter.load(tmp_path / "none.json"), "no complexity router at"),
+                          (lambda: ComplexityRouter.load(tmp_path / "bad.json"), "not a complexity router"),
+                          (lambda: find_router(llama), "no complexity router for this artifact")]:
+        with pytest.raises(UserError, match=message) as error:
+            call()
+        assert "\n" not in str(error.value)
+
+
+def fixed_router(tier: int, sha256: str | None = None):
+    """A router that always picks `tier` (its bias decides)."""
+    from rbcompile.consistency_router import FEATURES, TIERS, ComplexityRouter
+
+    bias = [10.0 if t == tier else 0.0 for t in TIERS]
+    return ComplexityRouter([0.0] * len(FEATURES), [1.0] * len(FEATURES),
+                            [[0.0] * len(FEATURES) for _ in TIERS], bias,
+                            info={"source_sha256": sha256})
+
+
+def test_auto_runs_the_tier_the_router_picks(llama, monkeypatch, tmp_path):
+    """Tier 1: the greedy answer (one prefill). Tier 3: the greedy row is cancelled after its
+    prefill and 3 samples reuse its prompt K/V; they are `sample_and_vote`'s 3 samples. The
+    shipped router is found by the checkpoint's sha256."""
+    import rbcompile.consistency_router as routers
+
+    prompt = torch.tensor([LONG_PROMPT])
+    greedy = llama.generate(prompt, max_new_tokens=6, do_sample=True, seed=5, consistency="auto",
+                            vote=VoteOptions(extract=FIRST_WORD.extract, router=fixed_router(1)))
+    assert greedy.stats.tier == 1 and greedy.stats.prefills == 1
+    assert greedy.samples[0].tokens == llama.generate(prompt, max_new_tokens=6).tokens[0]
+    fixed_router(3, llama.manifest["source"]["sha256"]).save(tmp_path / "consistency-router-x.json")
+    monkeypatch.setattr(routers, "SHIPPED", tmp_path)
+    voted = llama.generate(prompt, max_new_tokens=6, do_sample=True, seed=5, consistency="auto",
+                           vote=FIRST_WORD)
+    three = sample_and_vote(llama, LONG_PROMPT, 3, max_new_tokens=6, sampling=SAMPLED,
+                            options=FIRST_WORD)
+    assert voted.stats.tier == 3 and voted.stats.prefills == 2
+    assert [s.tokens for s in voted.samples] == [s.tokens for s in three.samples]
+    assert voted.votes == three.votes   # the answer too, but for ties (order of arrival)
+    assert voted.votes[voted.answer] == max(three.votes.values())
+    assert voted.stats.new_tokens == three.stats.new_tokens + 2   # the greedy row's 2 tokens
+
+
+def test_cli_run_consistency_auto(llama, tmp_path, monkeypatch, capsys):
+    """`rbcompile run --consistency auto`: the router's tier and the vote; without a router for
+    the checkpoint, one line and exit 2."""
+    import rbcompile.consistency_router as routers
+    from rbcompile.cli import main
+
+    llama.save(tmp_path / "llama")
+    argv = ["run", str(tmp_path / "llama"), "--text", "the time of his", "--max-new-tokens", "4",
+            "--consistency", "auto", "--temperature", "0.9", "--seed", "2"]
+    monkeypatch.setattr(routers, "SHIPPED", tmp_path)
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "no complexity router for this artifact" in error and error.count("\n") == 1
+    fixed_router(3, llama.manifest["source"]["sha256"]).save(tmp_path / "consistency-router-x.json")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("'the time of his' -> ") and "router: 3 samples; votes" in out

@@ -603,3 +603,38 @@ def test_the_n_choices_of_a_prompt_share_one_prefill(llama):
     choices = client.post("/v1/completions", json=body).json()["choices"]
     assert [choice["index"] for choice in choices] == list(range(6))
     assert client.app.state.engine.stats.prefills == 2          # one per prompt, not per choice
+
+
+def test_consistency_field_answers_with_the_voted_sample(decoder_client, llama):
+    """`rbcompile.consistency`: one choice, the text of a sample giving the voted answer, as
+    `generate(consistency=3)` on the same tokens, seed and extractor gives; chat too."""
+    from rbcompile.consistency import VoteOptions
+
+    options = dict(max_new_tokens=5, do_sample=True, temperature=0.9, seed=3, consistency=3,
+                   vote=VoteOptions(extract="regex:(\\w+)"))
+    body = {"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0.9, "seed": 3,
+            "rbcompile": {"consistency": 3, "extract": "regex:(\\w+)"}}
+    data = decoder_client.post("/v1/completions", json=body).json()
+    expected = llama.generate(llama.tokenizer([PROMPTS[0]], return_tensors="pt")["input_ids"], **options)
+    assert [choice["text"] for choice in data["choices"]] == [expected.text]
+    assert data["rbcompile"]["votes"] == expected.votes and data["rbcompile"]["answer"] == expected.answer
+    assert data["rbcompile"]["samples"] == 3 and data["usage"]["completion_tokens"] == expected.stats.new_tokens
+    chat = decoder_client.post("/v1/chat/completions", json={
+        "messages": MESSAGES, "max_tokens": 5, "temperature": 0.9, "seed": 3,
+        "rbcompile": {"consistency": 3, "extract": "regex:(\\w+)"}}).json()
+    ids = torch.tensor([llama.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                            return_dict=False)])
+    assert chat["choices"][0]["message"]["content"] == llama.generate(ids, **options).text
+
+
+@pytest.mark.parametrize("extension, extra, message, param", [
+    ({"consistency": 3}, {"n": 2}, "takes n=1 and no stream", "rbcompile"),
+    ({"consistency": 3}, {"stream": True}, "takes n=1 and no stream", "rbcompile"),
+    ({"consistency": "auto"}, {}, "no complexity router for this artifact", None),
+    ({"consistency": 3, "speculate": "ngram"}, {}, "does not combine with speculate", None),
+    ({"consistency": 3, "extract": "middle"}, {}, "unknown answer extractor 'middle'", None),
+    ({"consistency": 5}, {}, "1, 3, 7 or 'auto'", "rbcompile.consistency"),
+])
+def test_bad_consistency_requests(decoder_client, extension, extra, message, param):
+    body = {"prompt": "the", "max_tokens": 4, "temperature": 0.9, "rbcompile": extension, **extra}
+    assert_refused(decoder_client.post("/v1/completions", json=body), message, param)
