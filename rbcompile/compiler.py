@@ -108,6 +108,7 @@ class Calibration:
     levels: tuple[float, ...]
     task_head: str | None = None  # the model's own classifier head (heads.py), if any
     labelled: bool = False        # its loss reads the data's labels
+    budgets: tuple[float, ...] | None = None  # the plans' budget grid (None: calibrate.BUDGET_GRID)
 
     @property
     def loss(self) -> str:
@@ -121,10 +122,12 @@ class Calibration:
 
 def prepare_calibration(tokenizer, family: str, max_positions: int, source, samples=None,
                         seq=None, width_levels=DEFAULT_LEVELS, width_floor: float = 0.5,
-                        head_path=None, task_head: str | None = None) -> Calibration:
+                        head_path=None, task_head: str | None = None,
+                        budgets=None) -> Calibration:
     """Check the calibration options and make the batches, before any tracing. A classifier
     (`task_head`) calibrates on its own logits: labelled JSONL gives a sequence classifier's
-    cross-entropy, other data the KL divergence to the full path."""
+    cross-entropy, other data the KL divergence to the full path. `budgets`: the plans' budget
+    grid (default calibrate.BUDGET_GRID); a shorter grid searches and verifies fewer plans."""
     from .calibration_data import load_labelled, make_batches
     from .quality import load_head
 
@@ -133,6 +136,10 @@ def prepare_calibration(tokenizer, family: str, max_positions: int, source, samp
     if samples < 2 or seq < 2:
         raise UserError("--calib-samples and --calib-seq must be >= 2")
     levels = check_width_levels(width_levels, width_floor)
+    if budgets is not None:
+        budgets = tuple(sorted({float(b) for b in budgets}))
+        if not budgets or not all(0 < b <= 1 for b in budgets):
+            raise UserError(f"calibration budgets must be in (0, 1], got {list(budgets)}")
     seq = min(seq, max_positions)
     if head_path and task_head is not None and family == ENCODER:
         raise UserError(f"this model has its own {task_head} head: --calib-head is for "
@@ -149,7 +156,8 @@ def prepare_calibration(tokenizer, family: str, max_positions: int, source, samp
     say(f"calibrating on {source}: {sum(len(b[0]) for b in batches.calibration)} samples x <= "
         f"{seq} tokens, {sum(len(b[0]) for b in batches.heldout)} held out")
     return Calibration(str(source), family, samples, seq, batches, head,
-                       str(head_path) if head_path else None, levels, task_head, use_labels)
+                       str(head_path) if head_path else None, levels, task_head, use_labels,
+                       budgets)
 
 
 def choose_plans(compiled, calibration: Calibration) -> tuple[dict, list[dict]]:
@@ -163,7 +171,8 @@ def choose_plans(compiled, calibration: Calibration) -> tuple[dict, list[dict]]:
         importance = measure_importance(compiled, calib)
     with step("choosing and verifying plans on held-out text"):
         heldout = Evaluator(compiled, batches.heldout, batches.heldout_labels, head)
-        plans = build_plans(compiled, importance, calib, heldout)
+        grid = {"grid": calibration.budgets} if calibration.budgets else {}
+        plans = build_plans(compiled, importance, calib, heldout, **grid)
     return importance, plans
 
 
@@ -253,10 +262,12 @@ def _load(model_or_path, calib, device, dtype):
 def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                   calib_samples: int | None = None, calib_seq: int | None = None,
                   width_levels=DEFAULT_LEVELS, width_floor: float = 0.5, calib_head=None,
-                  kernels: bool = False, device=None, dtype=None):
+                  kernels: bool = False, device=None, dtype=None, calib_budgets=None):
     """Compile a bundled model name, a checkpoint folder or a loaded transformers model;
     with `calib` (a text source), also calibrate importance and budget plans; with `kernels`,
     fuse norms and activations into rbcompile's kernels (passes/fuse_kernels.py).
+    `calib_budgets`: the budgets plans are made for (default calibrate.BUDGET_GRID, 0.05 to
+    0.5); the greedy search stops at the largest.
 
     `dtype` (fp32 / bf16 / fp16; default: the model's own, fp32 for checkpoints) is the
     precision the graph is traced and runs in; `device` where it is traced and placed (a loaded
@@ -281,7 +292,8 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
         calibration = prepare_calibration(tokenizer, architecture.family,
                                           dims.max_positions, calib, calib_samples, calib_seq,
                                           width_levels, width_floor, calib_head,
-                                          module_head(model, architecture.family))
+                                          module_head(model, architecture.family),
+                                          calib_budgets)
     with step(f"tracing {arch['class']} with torch.export (dynamic batch and sequence)"):
         traced = trace(model, architecture)
     arch["max_positions"] = traced.max_positions

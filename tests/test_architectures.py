@@ -27,7 +27,7 @@ DECODERS = {
 }
 
 
-def _extra_config(model_type: str):
+def _extra_config(model_type: str, layers: int = 2):
     import transformers
     from transformers import MistralConfig, Qwen2Config
 
@@ -36,8 +36,10 @@ def _extra_config(model_type: str):
                                                        "qwen2": Qwen2Config}[model_type]
     if name:
         extra = {"bos_token_id": 1, "eos_token_id": 2, **extra}
+    if "layer_types" in extra:  # the pattern repeated over the layers
+        extra["layer_types"] = (extra["layer_types"] * layers)[:layers]
     return config(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, pad_token_id=0, **extra)
 
 
@@ -58,9 +60,10 @@ def _roberta_alias(model_type: str, head: str | None = None):
     return auto.from_config(config).eval()
 
 
-def tiny_model(model_type: str):
+def tiny_model(model_type: str, layers: int = 2):
     """A tiny random model of each registry model type (also used by
-    benchmarks/bench_architectures.py)."""
+    benchmarks/bench_architectures.py). `layers`: the depth of the decoders made here (not
+    conftest's llama and gpt2 nor the encoders, 4 layers each)."""
     from transformers import AutoModelForCausalLM
 
     if model_type in ("llama", "gpt2", "bert"):
@@ -71,7 +74,7 @@ def tiny_model(model_type: str):
     if model_type in ROBERTA_ALIASES:
         return _roberta_alias(model_type)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_extra_config(model_type)).eval()
+    return AutoModelForCausalLM.from_config(_extra_config(model_type, layers)).eval()
 
 
 @pytest.mark.parametrize("model_type", sorted(REGISTRY))

@@ -68,6 +68,17 @@ def test_plans_respect_their_budget_and_are_verified(calibrated_llama):
     assert [i for i, g in enumerate(gates) if not g] == plans[3]["skip_gates"]
 
 
+def test_calib_budgets_make_only_those_plans(tiny_checkpoints, calib_file):
+    """`calib_budgets`: plans for those budgets only (the greedy search stops at the largest);
+    a budget outside (0, 1] is a UserError before any tracing."""
+    with pytest.raises(UserError, match=r"calibration budgets must be in \(0, 1\], got \[0.1, 1.5\]"):
+        rbcompile.compile(tiny_checkpoints["llama"], calib=calib_file, calib_budgets=[1.5, 0.1])
+    compiled = rbcompile.compile(tiny_checkpoints["llama"], calib=calib_file, calib_samples=4,
+                                 calib_seq=16, width_levels=(), calib_budgets=[0.25, 0.1])
+    assert [plan["budget"] for plan in compiled.plans] == [0.0, 0.1, 0.25]
+    assert all(plan["skipped_share"] <= plan["budget"] + 1e-9 for plan in compiled.plans)
+
+
 def test_greedy_search_measures_moves_in_context_and_respects_budget():
     from rbcompile.calibrate import greedy_trajectory
     # (width or 0, share saved, skip-alone loss increase) per gate
