@@ -113,12 +113,12 @@ class ComplexityRouter:
         return router
 
 
-def train_router(features, tiers, *, seed: int = 0, l2: float = 1e-2, steps: int = 200,
-                 info: dict | None = None) -> ComplexityRouter:
+def train_router(features, tiers, *, seed: int = 0, l2: float = 1e-3, steps: int = 200,
+                 balanced: bool = False, info: dict | None = None) -> ComplexityRouter:
     """Fit the router to feature rows and their label tiers (1, 3 or 7): multinomial logistic
-    regression with an L2 penalty, classes weighted by inverse frequency (tier 1 is the common
-    one), full-batch L-BFGS in float64 from a seeded random start. The same inputs and seed
-    give the same router."""
+    regression with an L2 penalty (classes weighted by inverse frequency when `balanced`: more
+    votes on the rare tiers, less accuracy), full-batch L-BFGS in float64 from a seeded random
+    start. The same inputs and seed give the same router."""
     x = torch.as_tensor(features, dtype=torch.float64)
     if x.ndim != 2 or x.shape[1] != len(FEATURES) or x.shape[0] != len(tiers) or not len(tiers):
         raise UserError(f"router training needs [n, {len(FEATURES)}] features and n tiers; "
@@ -130,7 +130,8 @@ def train_router(features, tiers, *, seed: int = 0, l2: float = 1e-2, steps: int
     mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
     z = (x - mean) / std
     counts = torch.bincount(y, minlength=len(TIERS)).double()
-    class_weights = torch.where(counts > 0, len(y) / (len(TIERS) * counts.clamp_min(1)), 0.0)
+    class_weights = (torch.where(counts > 0, len(y) / (len(TIERS) * counts.clamp_min(1)), 0.0)
+                     if balanced else torch.ones(len(TIERS), dtype=torch.float64))
     generator = torch.Generator().manual_seed(seed)
     weights = (0.01 * torch.randn(len(TIERS), len(FEATURES), generator=generator,
                                   dtype=torch.float64)).requires_grad_()
@@ -145,7 +146,8 @@ def train_router(features, tiers, *, seed: int = 0, l2: float = 1e-2, steps: int
         return value
     optimizer.step(loss)
     return ComplexityRouter(mean.tolist(), std.tolist(), weights.detach().tolist(),
-                            bias.detach().tolist(), info={"seed": seed, "l2": l2, **(info or {})})
+                            bias.detach().tolist(),
+                            info={"seed": seed, "l2": l2, "balanced": balanced, **(info or {})})
 
 
 def label_tier(greedy: str | None, vote3: str | None, vote7: str | None) -> int:
