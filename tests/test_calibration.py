@@ -45,6 +45,16 @@ def test_long_texts_are_cut_into_windows(compiled_tiny):
         decoder_windows(compiled.tokenizer, ["the a of"], seq_len=64, windows=4)
 
 
+def test_windows_start_with_bos_when_the_tokenizer_adds_one():
+    class Words:  # starts every sequence with BOS, as Gemma's tokenizer does
+        bos_token_id, eos_token_id = 1, 2
+
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [1] * add_special_tokens + [3 + len(w) for w in text.split()]}
+    ids = decoder_windows(Words(), ["a bb ccc dddd"] * 3, seq_len=4, windows=3)
+    assert ids.tolist() == [[1, 4, 5, 6], [1, 7, 2, 4], [1, 5, 6, 7]]
+
+
 def test_importance_is_deterministic(calibrated_llama, tiny_checkpoints, calib_file):
     again = rbcompile.compile(tiny_checkpoints["llama"], calib=calib_file, calib_samples=8,
                               calib_seq=32)
