@@ -5,10 +5,13 @@ semantic tie-break and an adaptive early stop.
 Calls go one way. `sample_and_vote` submits the k samples to a `BatchEngine` as one group (one
 prefill, its row forked into k rows, sample i seeded `seed + i`); as each row finishes, its text
 goes to the `Voter` (extract -> normalise -> tally into clusters), and once the vote is decided
-the rows still running are cancelled. With an `embed` callable, answers whose embeddings have a
-cosine at or above a threshold are merged into one cluster before counting (near-duplicates:
-"paris" and "paris france"); answers with a digit are only compared exactly (an embedding
-finds "7" and "8" alike).
+the rows still running are cancelled (with `draw='waves'`, samples are drawn a few at a time
+and a decided vote leaves the rest undrawn). `route_and_vote` / `RoutedGroup` are
+`consistency='auto'`: the greedy row's prefill logits and the prompt go to the complexity router
+(consistency_router.py), which picks 1, 3 or 7 samples. With an `embed` callable, answers
+whose embeddings have a cosine at or above a threshold are merged into one cluster before
+counting (near-duplicates: "paris" and "paris france"); answers with a digit are only compared
+exactly (an embedding finds "7" and "8" alike).
 """
 from __future__ import annotations
 

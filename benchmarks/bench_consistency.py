@@ -1,0 +1,157 @@
+"""Self-consistency on the verifiable question set (issue 17): accuracy, generated tokens and
+wall time of greedy 1, fixed 3, fixed 7, the complexity router and the router with early stop,
+on the test split of benchmarks/data/consistency-questions.jsonl.
+
+    python benchmarks/bench_consistency.py [build/smollm2-135m] [--limit N]
+
+Each contender answers every test question in one continuous batch (`--max-batch` rows, a
+shared prefix cache holding the few-shot prefix); samples draw at temperature 0.7, sample i of
+a question with seed 1000 + i (so fixed 3's samples are fixed 7's first three, and the router's
+are the same samples). Answers: the completion's first word, normalised; right when equal to
+the known answer.
+- greedy 1: one greedy answer per question.
+- fixed 3 / fixed 7: 3 / 7 samples drawn at once, all counted (no early stop).
+- router: `consistency="auto"` (rbcompile/consistency_router.py): a greedy prefill, then the
+  router picks 1, 3 or 7 samples; all counted.
+- router + early stop: the same, with Adaptive-Consistency's stop (VoteOptions defaults:
+  leader cannot be overtaken, or Beta posterior >= 0.95) and samples drawn in waves
+  (`draw="waves"`), so a decided vote leaves samples undrawn.
+
+Measures (per contender): accuracy with a 95% bootstrap interval (2,000 resamples of the
+questions, seed 0); generated tokens (every row, cancelled ones and the router's greedy prefill
+row included) and their share of fixed 7's; wall time of the whole split; samples drawn per
+question. The seed's quality score = 0.6 x accuracy + 0.3 x consistency + 0.1 x speed, where
+consistency = the mean share of a question's counted samples that give the returned answer
+(1 for greedy: one deterministic sample) and speed = greedy's wall time / the contender's
+(1 for greedy). The router's own accuracy is measured on the test split too: its tier against
+the label the greedy, fixed 3 and fixed 7 answers give (`label_tier`).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import consistency_questions as questions  # noqa: E402
+from common import pin_threads, print_table, write_json  # noqa: E402
+
+import rbcompile  # noqa: E402
+from rbcompile.consistency import RoutedGroup, SampleGroup, VoteOptions, normalise  # noqa: E402
+from rbcompile.consistency_router import find_router, label_tier  # noqa: E402
+from rbcompile.prefix_cache import PrefixCache  # noqa: E402
+from rbcompile.sampling import SamplingConfig  # noqa: E402
+
+SEED = 1000
+TEMPERATURE = 0.7
+MAX_NEW_TOKENS = 6
+RESAMPLES = 2000
+
+
+def bootstrap(correct: list[bool], seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the accuracy over resampled questions."""
+    rng = random.Random(seed)
+    n = len(correct)
+    means = sorted(sum(correct[rng.randrange(n)] for _ in range(n)) / n for _ in range(RESAMPLES))
+    return means[int(0.025 * RESAMPLES)], means[int(0.975 * RESAMPLES) - 1]
+
+
+def run(model, prompts: list[list[int]], make_group, max_batch: int) -> tuple[list, float]:
+    """Every prompt's group on one engine, stepped until idle: (groups, seconds)."""
+    engine = model.batch_engine(max_batch=max_batch, prefix_cache=PrefixCache())
+    started = time.perf_counter()
+    groups = [make_group(engine, prompt) for prompt in prompts]
+    while engine.has_work:
+        engine.step()
+        done = sum(group.done for group in groups)
+        print(f"  {done}/{len(groups)} ({time.perf_counter() - started:.0f} s)", end="\r",
+              file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return groups, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", nargs="?", default="build/smollm2-135m")
+    parser.add_argument("--router", help="router JSON (default: the one shipped for the checkpoint)")
+    parser.add_argument("--limit", type=int, help="the first N test questions only")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--json", help="output path (default benchmarks/results/consistency.json)")
+    args = parser.parse_args()
+    pin_threads(args.threads)
+    model = rbcompile.load(args.artifact)
+    router = find_router(model, args.router)
+    rows = questions.load("test")[:args.limit]
+    prompts = [model.tokenizer(questions.prompt(row["question"]))["input_ids"] for row in rows]
+    gold = [normalise(row["answer"]) for row in rows]
+    sampled = SamplingConfig(do_sample=True, temperature=TEMPERATURE, seed=SEED)
+    common = dict(max_new_tokens=MAX_NEW_TOKENS, stop=questions.STOP)
+    all_counted = VoteOptions(extract=questions.EXTRACT, early_stop="off")
+    early = VoteOptions(extract=questions.EXTRACT, draw="waves")
+    contenders = {
+        "greedy 1": lambda e, p: SampleGroup(e, p, 1, sampling=SamplingConfig(), options=all_counted, **common),
+        "fixed 3": lambda e, p: SampleGroup(e, p, 3, sampling=sampled, options=all_counted, **common),
+        "fixed 7": lambda e, p: SampleGroup(e, p, 7, sampling=sampled, options=all_counted, **common),
+        "router": lambda e, p: RoutedGroup(e, p, router, sampling=sampled, options=all_counted, **common),
+        "router + early stop": lambda e, p: RoutedGroup(e, p, router, sampling=sampled, options=early,
+                                                        **common),
+    }
+    results, answers = {}, {}
+    for name, make_group in contenders.items():
+        print(f"{name}: {len(rows)} questions", file=sys.stderr)
+        groups, seconds = run(model, prompts, make_group, args.max_batch)
+        samples = [getattr(group, "group", group) for group in groups]
+        votes = [group.voter.vote() for group in samples]
+        answers[name] = [vote.answer for vote in votes]
+        correct = [answer == expected for answer, expected in zip(answers[name], gold)]
+        agreement = [vote.clusters[0].votes / max(len(vote.answers), 1) if vote.clusters else 0.0
+                     for vote in votes]
+        tiers = [getattr(group, "tier", None) for group in groups]
+        results[name] = {
+            "accuracy": sum(correct) / len(rows), "accuracy_95": bootstrap(correct),
+            "tokens": sum(group.new_tokens for group in groups), "seconds": seconds,
+            "samples_per_question": sum(group.drawn for group in samples) / len(rows),
+            "consistency": sum(agreement) / len(rows),
+            "tiers": {tier: tiers.count(tier) for tier in (1, 3, 7)} if tiers[0] else None,
+            "router_tiers": tiers if tiers[0] else None}
+    seven, greedy = results["fixed 7"], results["greedy 1"]
+    for result in results.values():
+        result["tokens_vs_fixed7"] = result["tokens"] / seven["tokens"]
+        result["speed"] = greedy["seconds"] / result["seconds"]
+        result["quality"] = (0.6 * result["accuracy"] + 0.3 * result["consistency"]
+                             + 0.1 * result["speed"])
+    labels = [label_tier(*triple) for triple in zip(answers["greedy 1"], answers["fixed 3"],
+                                                    answers["fixed 7"])]
+    chosen = results["router"]["router_tiers"]
+    router_accuracy = sum(a == b for a, b in zip(chosen, labels)) / len(rows)
+    changes = sum((a > 1) == (b > 1) for a, b in zip(chosen, labels)) / len(rows)
+    table = [{"name": name, "acc": f"{100 * r['accuracy']:.1f}",
+              "ci": f"[{100 * r['accuracy_95'][0]:.1f}, {100 * r['accuracy_95'][1]:.1f}]",
+              "samples": f"{r['samples_per_question']:.2f}", "tokens": r["tokens"],
+              "share": f"{100 * r['tokens_vs_fixed7']:.0f}%", "wall": f"{r['seconds']:.0f}",
+              "cons": f"{r['consistency']:.3f}", "speed": f"{r['speed']:.2f}",
+              "quality": f"{r['quality']:.3f}"} for name, r in results.items()]
+    print_table(table, [("name", "contender"), ("acc", "accuracy %"), ("ci", "95% CI"),
+                        ("samples", "samples/q"), ("tokens", "tokens"), ("share", "of fixed 7"),
+                        ("wall", "wall s"), ("cons", "consistency"), ("speed", "speed"),
+                        ("quality", "quality")])
+    print(f"router on the {len(rows)} test questions: tier accuracy {100 * router_accuracy:.1f}% "
+          f"(labels {dict((t, labels.count(t)) for t in (1, 3, 7))}; always 1: "
+          f"{100 * labels.count(1) / len(rows):.1f}%), 'voting changes the answer' accuracy "
+          f"{100 * changes:.1f}%; held out at training: {router.info.get('holdout_accuracy')}")
+    for result in results.values():
+        result.pop("router_tiers")
+    path = write_json("consistency", {
+        "artifact": args.artifact, "questions": len(rows), "temperature": TEMPERATURE,
+        "max_new_tokens": MAX_NEW_TOKENS, "sample_seed": SEED, "contenders": results,
+        "router": {"test_tier_accuracy": router_accuracy, "test_change_accuracy": changes,
+                   "test_labels": {t: labels.count(t) for t in (1, 3, 7)}, "info": router.info}},
+        args.json)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
