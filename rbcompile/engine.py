@@ -2,13 +2,15 @@
 every decode step (as vLLM and TGI do), each with its own sampling, stop conditions and budget.
 
 Calls go one way. `BatchEngine.step()` admits waiting requests, highest priority (QoS class)
-first, then by arrival: a batch-1 prefill each, written straight into the `BatchKVCache` row
-the request will decode in, after the blocks of its prompt that the `PrefixCache` holds are
-copied there; its first token comes from that prefill. Then one decode step runs over every
-running row, each row gets its token, and finished or cancelled rows leave. A group of
-requests on one prompt (`submit_samples`: the n choices of a completion, the samples of
-self-consistency) joins with one prefill, its row forked into one row per request, each
-drawing its first token from the same logits with its own generator.
+first, then by arrival, and prefills the newcomers together: one forward over their prompts,
+left-padded to the longest part not in the `PrefixCache` (at most `prefill_tokens` padded
+tokens, unless one prompt alone is longer), written straight into the `BatchKVCache` rows the
+requests will decode in, after the cached blocks of each prompt are copied there; each
+request's first token comes from that prefill. Then one decode step runs over every running
+row, each row gets its token, and finished or cancelled rows leave. A group of requests on
+one prompt (`submit_samples`: the n choices of a completion, the samples of
+self-consistency) joins with one prefilled row, forked into one row per request, each drawing
+its first token from the same logits with its own generator.
 
 Any thread may `submit` / `cancel`; one thread (the server's model thread) calls `step` while
 `has_work` and waits on `wake` otherwise. A row's tokens are those it would get alone: rows
@@ -65,7 +67,8 @@ class EngineRequest:
 @dataclass
 class EngineStats:
     """Counters since the engine started."""
-    prefills: int = 0
+    prefills: int = 0               # prompts prefilled (a group of samples counts once)
+    prefill_forwards: int = 0       # forwards that prefilled them (several prompts each)
     reused_prompt_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache
     decode_steps: int = 0
     decode_rows: int = 0       # rows summed over decode steps (mean batch = rows / steps)
@@ -81,9 +84,12 @@ class BatchEngine:
     def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
                  eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
                  block: int = 64, wake: threading.Condition | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, prefill_tokens: int = 2048):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_tokens < 1:
+            raise UserError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
@@ -176,12 +182,18 @@ class BatchEngine:
             raise
 
     def _admit(self) -> None:
-        """Waiting groups join in queue order while the next one has rows for all its requests."""
+        """Waiting groups join in queue order while the next one has rows for all its requests
+        and the padded prefill stays within `prefill_tokens`; they are prefilled together."""
+        groups, rows, longest = [], len(self.running), 0
         while True:
             with self.wake:
-                if not self.waiting or len(self.running) + len(self.waiting[0][2]) > self.max_batch:
+                if not self.waiting or rows + len(self.waiting[0][2]) > self.max_batch:
                     break
-                group = heapq.heappop(self.waiting)[2]
+                group = self.waiting[0][2]
+                width = max(longest, len(group[0].prompt))
+                if groups and (len(groups) + 1) * width > self.prefill_tokens:
+                    break
+                heapq.heappop(self.waiting)
             joining = []
             for request in group:
                 if request.cancelled:
@@ -189,37 +201,54 @@ class BatchEngine:
                 else:
                     joining.append(request)
             if joining:
-                self.running.extend(joining)   # before the prefill: a failing one fails them too
-                self._prefill(joining)
+                groups.append(joining)
+                rows, longest = rows + len(joining), width
+        if groups:
+            # cache rows: each group's first request, then the others (forks) group by group;
+            # in `running` before the prefill, so a failing prefill fails them too
+            self.running.extend(group[0] for group in groups)
+            self.running.extend(request for group in groups for request in group[1:])
+            self._prefill(groups)
         self._leave_finished()
 
-    def _prefill(self, group: list[EngineRequest]) -> None:
-        """Write the group's prompt K/V into a new row (cached prefix blocks copied, the rest
-        run), fork that row for each other request of the group, and emit each one's first
-        token."""
-        request = group[0]
-        device, count, gates = self.shape.device, len(request.prompt), self._batch_gates()
-        blocks = self.prefix_cache.lookup(request.prompt, gates) if self.prefix_cache else []
-        reused = len(blocks) * (self.prefix_cache.block_tokens if blocks else 0)
-        row = self.cache.place(count)
-        rows = slice(row, row + 1)
-        self.cache.write_prompt(row, [block.tensors for block in blocks])
-        end = self.cache.length
-        logits = self.step_fn(torch.tensor([request.prompt[reused:]], device=device),
-                              self.cache.attention_mask(rows),
-                              torch.arange(reused, count, device=device)[None],
-                              torch.arange(end - count + reused, end, device=device),
-                              torch.tensor([count - reused - 1], device=device),
-                              self.cache.views(rows), gates=gates)
-        self.cache.join()
-        for _ in group[1:]:
-            self.cache.fork(row)
+    def _prefill(self, groups: list[list[EngineRequest]]) -> None:
+        """Write each group's prompt K/V into a new row (cached prefix blocks copied, the rest
+        run in one forward for every group, left-padded), fork that row for each other request
+        of its group, and emit each one's first token."""
+        cache, device, gates = self.cache, self.shape.device, self._batch_gates()
+        prompts = [group[0].prompt for group in groups]
+        hits = [self.prefix_cache.lookup(prompt, gates) if self.prefix_cache else []
+                for prompt in prompts]
+        reused = [len(blocks) * (self.prefix_cache.block_tokens if blocks else 0) for blocks in hits]
+        first = cache.active
+        for prompt in prompts:
+            cache.place(len(prompt))
+            cache.join()
+        for row, blocks in enumerate(hits, first):
+            cache.write_prompt(row, [block.tensors for block in blocks])
+        # slots [end - width, end) of every row: the prompt parts not in the cache (a shorter
+        # one left-padded, a longer one's cached tokens past the window recomputed)
+        end, width = cache.length, max(len(p) - r for p, r in zip(prompts, reused))
+        ids = [[0] * (width - len(prompt)) + prompt[-width:] for prompt in prompts]
+        rows = slice(first, first + len(prompts))
+        slots = torch.arange(end - width, end, device=device)
+        logits = self.step_fn(torch.tensor(ids, device=device), cache.attention_mask(rows),
+                              (slots[None] - cache.pads[rows, None]).clamp_min(0), slots,
+                              torch.tensor([width - 1], device=device), cache.views(rows),
+                              gates=gates)[:, -1]
+        for row, group in enumerate(groups, first):
+            for _ in group[1:]:
+                cache.fork(row)
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(request.prompt, gates, self.cache.prompt_kv(row, count))
-        self.stats.prefills += 1
-        self.stats.reused_prompt_tokens += reused
-        for sample in group:
-            self._emit(sample, int(sample.sampling.choose(logits[:, -1], self.generators[sample])))
+            for row, prompt in enumerate(prompts, first):
+                self.prefix_cache.insert(prompt, gates, cache.prompt_kv(row, len(prompt)))
+        self.stats.prefills += len(prompts)
+        self.stats.prefill_forwards += 1
+        self.stats.reused_prompt_tokens += sum(max(0, len(prompt) - width) for prompt in prompts)
+        for index, group in enumerate(groups):
+            for sample in group:
+                self._emit(sample, int(sample.sampling.choose(logits[index:index + 1],
+                                                               self.generators[sample])))
 
     def _decode(self) -> None:
         cache, device, started = self.cache, self.shape.device, perf_counter()

@@ -58,9 +58,45 @@ def test_sampled_requests_with_seeds_match_alone_and_budgets_take_the_smallest(c
     gates = []
     engine.gates_for_budget = lambda budget: gates.append(budget) or compiled.decoder_gates(budget)
     light = [EngineRequest(PROMPTS[2], 4, budget=0.5), EngineRequest(PROMPTS[3], 4, budget=0.3)]
-    drain(engine, light, {0: light})
-    assert gates[0] == 0.5 and set(gates[1:]) == {0.3}   # alone, then with the smaller budget
+    drain(engine, light, {0: light[:1], 1: light[1:]})
+    assert gates[:2] == [0.5, 0.5] and set(gates[2:]) == {0.3}   # alone, then with the smaller budget
     assert light[1].tokens == alone(compiled, PROMPTS[3], 4, budget=0.3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_newcomers_are_prefilled_together_and_get_their_tokens_alone(compiled_tiny, arch):
+    """Requests that arrive together (prompts of 2 to 11 tokens, one a group of two samples)
+    join with one prefill forward, left-padded; later ones whose prompts the prefix cache holds
+    in part join in one more, recomputing only the window the longest uncached part needs.
+    Every request's tokens equal `generate` on it alone."""
+    from rbcompile.prefix_cache import PrefixCache
+
+    compiled = compiled_tiny[arch][0]
+    engine = compiled.batch_engine(max_batch=8, prefix_cache=PrefixCache(block_tokens=4))
+    forwards = []
+    step = engine.step_fn
+    engine.step_fn = lambda ids, *args, **kwargs: forwards.append(tuple(ids.shape)) or step(ids, *args, **kwargs)
+    sampling = SamplingConfig(do_sample=True, temperature=0.8, seed=5)
+    first = [EngineRequest(prompt, 6) for prompt in PROMPTS]
+    samples = [EngineRequest(PROMPTS[0], 6, SamplingConfig(do_sample=True, temperature=0.8, seed=seed))
+               for seed in (5, 6)]
+    engine.submit_samples(samples)
+    for request in first:
+        engine.submit(request)
+    engine.step()
+    assert forwards[0] == (5, 11)                 # 5 prompts in one prefill: the longest is 11
+    assert engine.stats.prefills == 5 and engine.stats.prefill_forwards == 1
+    later = [EngineRequest(PROMPTS[2] + [50], 5), EngineRequest(PROMPTS[0] + [51, 52], 5)]
+    drain(engine, first + samples + later, {0: later})
+    # cached: 2 blocks of the first (12 tokens), 1 of the second (7); the window is the first's
+    # 4 uncached tokens, so the second's last cached token is recomputed: 8 + 3 reused
+    assert forwards.count((2, 4)) == 1
+    assert engine.stats.prefill_forwards == 2 and engine.stats.reused_prompt_tokens == 8 + 3
+    for request in first + later:
+        assert request.tokens == alone(compiled, request.prompt, request.max_new_tokens), request.prompt
+    for request in samples:
+        assert request.tokens == alone(compiled, PROMPTS[0], 6, do_sample=True, temperature=0.8,
+                                       seed=request.sampling.seed)
 
 
 def test_cancelled_request_frees_its_row_and_others_go_on(compiled_tiny):
