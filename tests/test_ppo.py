@@ -146,7 +146,10 @@ def bert_artifact(tiny_checkpoints, calib_file, tmp_path_factory):
     return compiled.save(tmp_path_factory.mktemp("ppo") / "bert")
 
 
-def test_cli_train_policy(bert_artifact, tmp_path, capsys):
+def test_cli_train_policy(bert_artifact, tmp_path, capsys, monkeypatch):
+    from rbcompile import train_policy
+    monkeypatch.setattr(train_policy, "LATENCY_ROUNDS", 1)    # fewer repeats of the same work
+    monkeypatch.setattr(train_policy, "EVALUATION_DAYS", 1)
     artifact = bert_artifact
     workload = tmp_path / "workload.jsonl"
     _workload(workload, 200)
