@@ -76,7 +76,6 @@ def test_newcomers_are_prefilled_together_and_get_their_tokens_alone(compiled_ti
     forwards = []
     step = engine.step_fn
     engine.step_fn = lambda ids, *args, **kwargs: forwards.append(tuple(ids.shape)) or step(ids, *args, **kwargs)
-    sampling = SamplingConfig(do_sample=True, temperature=0.8, seed=5)
     first = [EngineRequest(prompt, 6) for prompt in PROMPTS]
     samples = [EngineRequest(PROMPTS[0], 6, SamplingConfig(do_sample=True, temperature=0.8, seed=seed))
                for seed in (5, 6)]
