@@ -419,7 +419,7 @@ class SampleGroup:
     def __init__(self, engine, prompt: list[int], k: int, *, max_new_tokens: int,
                  sampling: SamplingConfig, stop: list[str] | None = None,
                  budget: float | None = None, options: VoteOptions = VoteOptions(),
-                 on_token: Callable[[int], None] | None = None):
+                 on_token: Callable[[int], None] | None = None, keep_first_logits: bool = False):
         from .engine import EngineRequest
 
         if engine.decode is None:
@@ -430,7 +430,8 @@ class SampleGroup:
         self.seeds = [None if sampling.seed is None else sampling.seed + i for i in range(k)]
         self.requests = [EngineRequest(prompt, max_new_tokens, replace(sampling, seed=seed),
                                        list(stop or []), budget, on_token=on_token,
-                                       on_finish=self._finished)
+                                       on_finish=self._finished,
+                                       keep_first_logits=keep_first_logits)
                          for seed in self.seeds]
         self.waves = options.draw == "waves" and options.early_stop != "off"
         self.drawn = 0
@@ -526,38 +527,24 @@ def sample_and_vote(compiled, prompt_ids, k: int, *, max_new_tokens: int,
     return _finish(engine, group, started)
 
 
-class LogitsTap:
-    """An engine's decoder, keeping its last output (the logits a prefill's first token is drawn
-    from, while that token's `on_token` runs)."""
-
-    def __init__(self, step):
-        self.step, self.last = step, None
-
-    def __call__(self, *args, **kwargs):
-        self.last = self.step(*args, **kwargs)
-        return self.last
-
-
 class RoutedGroup:
     """`consistency='auto'` for one prompt on a `BatchEngine`: its greedy row joins the batch;
     when its prefill's first token arrives, the router (`ComplexityRouter`) reads the prompt
     and that prefill's logits and picks 1, 3 or 7 samples. 1: the greedy row goes on and is the
     answer; 3 or 7: it is cancelled (its tokens are counted in `new_tokens`) and a
     `SampleGroup` is drawn, whose prompt K/V come from the engine's prefix cache when it has
-    one. The engine's decoder is wrapped in a `LogitsTap` (once)."""
+    one."""
 
     def __init__(self, engine, prompt: list[int], router, *, max_new_tokens: int,
                  sampling: SamplingConfig, stop: list[str] | None = None,
                  budget: float | None = None, options: VoteOptions = VoteOptions()):
         _check_samples(max(router.tiers), sampling)
-        if not isinstance(engine.step_fn, LogitsTap):
-            engine.step_fn = LogitsTap(engine.step_fn)
         self.engine, self.prompt, self.router, self.tier = engine, prompt, router, None
         self.features: list[float] | None = None
         self.options = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             budget=budget, options=options)
         self.greedy = SampleGroup(engine, prompt, 1, **{**self.options, "sampling": replace(
-            sampling, do_sample=False)}, on_token=self._route)
+            sampling, do_sample=False)}, on_token=self._route, keep_first_logits=True)
         self.group = self.greedy
 
     def _route(self, token: int) -> None:
@@ -566,7 +553,7 @@ class RoutedGroup:
         from .consistency_router import prompt_features
 
         self.features = prompt_features(self.engine.decode(self.prompt),
-                                        self.engine.step_fn.last[0, -1])
+                                        self.greedy.requests[0].first_logits)
         self.tier = self.router.tier(self.features)
         if self.tier > 1:
             self.engine.cancel(self.greedy.requests[0])

@@ -58,6 +58,8 @@ class EngineRequest:
     cancelled: bool = False
     submitted: float = field(default_factory=perf_counter)
     first_token_at: float | None = None
+    keep_first_logits: bool = False           # keep the prefill's logits (before `on_token`)
+    first_logits: torch.Tensor | None = None  # [vocab]: what its first token was drawn from
 
     @property
     def tokens(self) -> list[int]:
@@ -247,6 +249,8 @@ class BatchEngine:
         self.stats.reused_prompt_tokens += sum(max(0, len(prompt) - width) for prompt in prompts)
         for index, group in enumerate(groups):
             for sample in group:
+                if sample.keep_first_logits:
+                    sample.first_logits = logits[index]
                 self._emit(sample, int(sample.sampling.choose(logits[index:index + 1],
                                                                self.generators[sample])))
 

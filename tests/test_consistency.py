@@ -442,6 +442,28 @@ def test_auto_runs_the_tier_the_router_picks(llama, monkeypatch, tmp_path):
     assert voted.stats.new_tokens == three.stats.new_tokens + 2   # the greedy row's 2 tokens
 
 
+def test_routed_prompts_prefilled_together_are_routed_on_their_own_logits(llama):
+    """Two `consistency='auto'` prompts join one engine step (one prefill forward): each is
+    routed on its own prompt and its own first-token logits, as it is alone."""
+    from rbcompile.consistency import RoutedGroup
+    from rbcompile.prefix_cache import PrefixCache
+
+    def routed(prompts):
+        engine = llama.batch_engine(max_batch=2, prefix_cache=PrefixCache(block_tokens=4))
+        groups = [RoutedGroup(engine, prompt, fixed_router(1), max_new_tokens=4, sampling=SAMPLED,
+                              options=FIRST_WORD) for prompt in prompts]
+        while engine.has_work:
+            engine.step()
+        return groups, engine.stats.prefill_forwards
+
+    together, forwards = routed([PROMPT, LONG_PROMPT])
+    assert forwards == 1
+    for group, prompt in zip(together, [PROMPT, LONG_PROMPT]):
+        (alone,), _ = routed([prompt])
+        assert group.features == pytest.approx(alone.features, abs=1e-6)
+    assert together[0].features != pytest.approx(together[1].features)
+
+
 def test_cli_run_consistency_auto(llama, tmp_path, monkeypatch, capsys):
     """`rbcompile run --consistency auto`: the router's tier and the vote; without a router for
     the checkpoint, one line and exit 2."""
