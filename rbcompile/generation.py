@@ -193,16 +193,16 @@ class AutoPolicy:
     """Per-request choice among 'off' and drafters by measured tokens per second.
 
     'off' runs first; then the fastest mode over its last `window` steps runs (a mode that is
-    not running is judged by its last measurement alone). A drafter must
-    beat 'off' by `margin` and keep at least `min_acceptance` of its drafts (so with drafts
-    that never match, speculation turns off whatever the timings' noise). A drafter that is not
-    running is measured one step at a time, at least `retry_after` steps after it last ran, and only while
+    not running is judged by its last measurement alone). A drafter must beat 'off' by
+    `margin` and keep at least `min_acceptance` of its drafts (so with drafts that never
+    match, speculation turns off whatever the timings' noise). A mode that is not running is
+    measured one step at a time, at least `retry_after` steps after it last ran, and only while
     what its measurements lost against the running mode, plus what this one may lose, stays
-    within its share of `budget` x the time elapsed (the drafters share `budget`; one costly
-    drafter cannot use up another's share). What a measurement may lose: what the drafter's
-    last one lost, or before its first, `first_loss[mode]` running-mode steps (a drafter that
-    adds no forward, n-gram lookup, loses next to nothing; a light path that has not been
-    measured to pay may lose its k draft forwards)."""
+    within its share of `budget` x the time elapsed (the modes share `budget`; one costly
+    drafter cannot use up another's share). What a measurement may lose: what the mode's last
+    one lost, or before its first, `first_loss[mode]` running-mode steps (n-gram lookup adds
+    no forward and loses next to nothing; a light path not measured to pay may lose its k
+    draft forwards)."""
 
     def __init__(self, modes: list[str], first_loss: dict[str, float] | None = None,
                  window: int = 4, margin: float = 1.05, min_acceptance: float = 0.1,
