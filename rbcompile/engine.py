@@ -6,8 +6,14 @@ first, then by arrival, and prefills the newcomers together: one forward over th
 left-padded to the longest part not in the `PrefixCache` (at most `prefill_tokens` padded
 tokens, unless one prompt alone is longer), written straight into the `BatchKVCache` rows the
 requests will decode in, after the cached blocks of each prompt are copied there; each
-request's first token comes from that prefill. Then one decode step runs over every running
-row, each row gets its token, and finished or cancelled rows leave. A group of requests on
+request's first token comes from that prefill. A prompt longer than `prefill_chunk` tokens is
+prefilled in chunks instead (chunked prefill, as vLLM and Sarathi do): one chunk of at most
+`prefill_chunk` tokens per step, before the running rows' decode step, into K/V of its own
+(`ChunkedPrefill`, under the plan of its budget when it started; one such prompt at a time,
+queue order kept), so a long prompt delays the running streams by one chunk per step instead
+of by its whole prefill; after its last chunk its K/V are copied into a batch row and it
+joins. Then one decode step runs over
+every running row, each row gets its token, and finished or cancelled rows leave. A group of requests on
 one prompt (`submit_samples`: the n choices of a completion, the samples of
 self-consistency) joins with one prefilled row, forked into one row per request, each drawing
 its first token from the same logits with its own generator.
@@ -34,7 +40,7 @@ import torch
 
 from .errors import UserError
 from .generation import RowTokens, StopCriteria, check_lengths, check_stop
-from .kv_cache import BatchKVCache, DecoderShape
+from .kv_cache import BatchKVCache, DecoderShape, copy_blocks
 from .prefix_cache import PrefixCache
 from .sampling import SamplingConfig
 
@@ -71,6 +77,7 @@ class EngineStats:
     """Counters since the engine started."""
     prefills: int = 0               # prompts prefilled (a group of samples counts once)
     prefill_forwards: int = 0       # forwards that prefilled them (several prompts each)
+    prefill_chunks: int = 0         # of those, chunks of prompts longer than `prefill_chunk`
     reused_prompt_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache
     decode_steps: int = 0
     decode_rows: int = 0       # rows summed over decode steps (mean batch = rows / steps)
@@ -78,20 +85,38 @@ class EngineStats:
     finished: int = 0
 
 
+@dataclass(eq=False)
+class ChunkedPrefill:
+    """A group whose prompt is being prefilled chunk by chunk: K/V [1, kv heads, prompt, head
+    dim] per cache tensor, the first `done` tokens' filled, under `gates`."""
+    group: list[EngineRequest]
+    kv: list[torch.Tensor]
+    gates: object
+    done: int = 0
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.group[0].prompt
+
+
 class BatchEngine:
     """`step(input_ids, attention_mask, position_ids, cache_position, logit_positions, cache,
     gates=None)` is the artifact's decoder (see decoder.Decoder); `gates_for_budget(budget)`
-    its gates for a budget (None: the full path)."""
+    its gates for a budget (None: the full path). `prefill_chunk`: prompts longer than this
+    are prefilled in chunks of it (None: never)."""
 
     def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
                  eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
                  block: int = 64, wake: threading.Condition | None = None,
-                 prefix_cache: PrefixCache | None = None, prefill_tokens: int = 2048):
+                 prefix_cache: PrefixCache | None = None, prefill_tokens: int = 2048,
+                 prefill_chunk: int | None = 512):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_tokens < 1:
             raise UserError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-        self.prefill_tokens = prefill_tokens
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise UserError(f"prefill_chunk must be >= 1 (None: never chunk), got {prefill_chunk}")
+        self.prefill_tokens, self.prefill_chunk = prefill_tokens, prefill_chunk
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
@@ -99,6 +124,7 @@ class BatchEngine:
         self.waiting: list[tuple[int, int, EngineRequest]] = []   # a heap: priority, arrival
         self.arrivals = itertools.count()
         self.running: list[EngineRequest] = []        # running[i] decodes in cache row i
+        self.chunked: ChunkedPrefill | None = None    # a long prompt being prefilled
         self.criteria: dict[EngineRequest, StopCriteria] = {}
         self.generators: dict[EngineRequest, torch.Generator | None] = {}
         self.stats = EngineStats()
@@ -163,61 +189,123 @@ class BatchEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.chunked)
 
     # ---- the engine's thread ---------------------------------------------------------------
 
     def step(self) -> bool:
-        """Admit waiting requests, then one decode step for every running row. False when
-        there was nothing to do."""
+        """Admit waiting requests (and prefill the next chunk of a long prompt), then one
+        decode step for every running row. False when there was nothing to do."""
         try:
             if self.controller is not None:
                 self.controller.before_step()
             self._drop_cancelled()
-            self._admit()
+            chunked = self._admit()
             if not self.running:
-                return False
+                return chunked
             self._decode()
             return True
         except Exception as exc:
             self._fail_all(exc)
             raise
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         """Waiting groups join in queue order while the next one has rows for all its requests
-        and the padded prefill stays within `prefill_tokens`; they are prefilled together."""
-        groups, rows, longest = [], len(self.running), 0
+        and the padded prefill stays within `prefill_tokens`; they are prefilled together. A
+        group with a prompt longer than `prefill_chunk` starts a chunked prefill instead, if
+        none is running (else admission stops there). True when a chunk was prefilled."""
+        groups, longest = [], 0
+        rows = len(self.running) + (len(self.chunked.group) if self.chunked else 0)
         while True:
             with self.wake:
                 if not self.waiting or rows + len(self.waiting[0][2]) > self.max_batch:
                     break
                 group = self.waiting[0][2]
+                long = self.prefill_chunk is not None and len(group[0].prompt) > self.prefill_chunk
                 width = max(longest, len(group[0].prompt))
-                if groups and (len(groups) + 1) * width > self.prefill_tokens:
+                if long and self.chunked is not None or \
+                        not long and groups and (len(groups) + 1) * width > self.prefill_tokens:
                     break
                 heapq.heappop(self.waiting)
-            joining = []
-            for request in group:
-                if request.cancelled:
-                    self._finish(request, "cancelled")
-                else:
-                    joining.append(request)
-            if joining:
+            joining = self._live(group)
+            if not joining:
+                continue
+            rows += len(joining)
+            if long:
+                self.chunked = self._start_chunked(joining)
+            else:
                 groups.append(joining)
-                rows, longest = rows + len(joining), width
+                longest = width
         if groups:
             # cache rows: each group's first request, then the others (forks) group by group;
             # in `running` before the prefill, so a failing prefill fails them too
             self.running.extend(group[0] for group in groups)
             self.running.extend(request for group in groups for request in group[1:])
             self._prefill(groups)
+        chunked = self.chunked is not None
+        if chunked:
+            self._prefill_chunk()
         self._leave_finished()
+        return chunked
+
+    def _live(self, group: list[EngineRequest]) -> list[EngineRequest]:
+        """The requests of `group` not cancelled; the cancelled ones finish."""
+        live = []
+        for request in group:
+            if request.cancelled:
+                self._finish(request, "cancelled")
+            else:
+                live.append(request)
+        return live
+
+    def _start_chunked(self, group: list[EngineRequest]) -> ChunkedPrefill:
+        """K/V of the group's whole prompt, the prefix cache's blocks copied in, under the
+        gates of the group's budget now."""
+        prompt, gates, shape = group[0].prompt, self._gates(group), self.shape
+        kv = [torch.zeros(1, shape.kv_heads, len(prompt), shape.head_dim, dtype=shape.dtype,
+                          device=shape.device) for _ in range(2 * shape.layers)]
+        blocks = self.prefix_cache.lookup(prompt, gates) if self.prefix_cache else []
+        done = copy_blocks(kv, 0, 0, [block.tensors for block in blocks])
+        self.stats.reused_prompt_tokens += done
+        return ChunkedPrefill(group, kv, gates, done)
+
+    def _prefill_chunk(self) -> None:
+        """The next chunk of the long prompt; after the last one, its group joins the batch."""
+        job, device = self.chunked, self.shape.device
+        start = job.done
+        end = min(len(job.prompt), start + self.prefill_chunk)
+        slots = torch.arange(start, end, device=device)
+        logits = self.step_fn(torch.tensor([job.prompt[start:end]], device=device),
+                              torch.ones(1, end, dtype=torch.long, device=device), slots[None],
+                              slots, torch.tensor([end - start - 1], device=device),
+                              [tensor[:, :, :end] for tensor in job.kv], gates=job.gates)[0, -1]
+        job.done = end
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_chunks += 1
+        if end < len(job.prompt):
+            return
+        self.chunked = None
+        kv = [tensor[0] for tensor in job.kv]
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(job.prompt, job.gates, kv)
+        live = self._live(job.group)
+        if not live:
+            return
+        row = self.cache.place(len(job.prompt))
+        self.cache.write_prompt(row, [kv])
+        self.cache.join()
+        self.running.append(live[0])
+        for request in live[1:]:
+            self.cache.fork(row)
+            self.running.append(request)
+        self.stats.prefills += 1
+        self._first_tokens(live, logits)
 
     def _prefill(self, groups: list[list[EngineRequest]]) -> None:
         """Write each group's prompt K/V into a new row (cached prefix blocks copied, the rest
         run in one forward for every group, left-padded), fork that row for each other request
         of its group, and emit each one's first token."""
-        cache, device, gates = self.cache, self.shape.device, self._batch_gates()
+        cache, device, gates = self.cache, self.shape.device, self._gates(self.running)
         prompts = [group[0].prompt for group in groups]
         hits = [self.prefix_cache.lookup(prompt, gates) if self.prefix_cache else []
                 for prompt in prompts]
@@ -247,12 +335,15 @@ class BatchEngine:
         self.stats.prefills += len(prompts)
         self.stats.prefill_forwards += 1
         self.stats.reused_prompt_tokens += sum(max(0, len(prompt) - width) for prompt in prompts)
-        for index, group in enumerate(groups):
-            for sample in group:
-                if sample.keep_first_logits:
-                    sample.first_logits = logits[index]
-                self._emit(sample, int(sample.sampling.choose(logits[index:index + 1],
-                                                               self.generators[sample])))
+        for group, row_logits in zip(groups, logits):
+            self._first_tokens(group, row_logits)
+
+    def _first_tokens(self, group: list[EngineRequest], logits: torch.Tensor) -> None:
+        """Each request of a group draws its first token from its prompt's logits [vocab]."""
+        for request in group:
+            if request.keep_first_logits:
+                request.first_logits = logits
+            self._emit(request, int(request.sampling.choose(logits[None], self.generators[request])))
 
     def _decode(self) -> None:
         cache, device, started = self.cache, self.shape.device, perf_counter()
@@ -263,7 +354,7 @@ class BatchEngine:
                               (cache.length - cache.pads[rows])[:, None],
                               torch.tensor([cache.length], device=device),
                               torch.zeros(1, dtype=torch.long, device=device), cache.views(rows),
-                              gates=self._batch_gates())[:, -1]
+                              gates=self._gates(self.running))[:, -1]
         cache.advance()
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self.running)
@@ -278,10 +369,10 @@ class BatchEngine:
             self._emit(request, token)
         self._leave_finished()
 
-    def _batch_gates(self):
-        """The gates of the smallest budget among the running rows, a row without a budget of
-        its own taking the engine's (None, the full path, beats any)."""
-        budgets = [self.budget if request.budget is None else request.budget for request in self.running]
+    def _gates(self, requests: list[EngineRequest]):
+        """The gates of the smallest budget among `requests` (the running rows, or a group), one
+        without a budget of its own taking the engine's (None, the full path, beats any)."""
+        budgets = [self.budget if request.budget is None else request.budget for request in requests]
         return self.gates_for_budget(None if None in budgets else min(budgets))
 
     def _emit(self, request: EngineRequest, token: int) -> None:
@@ -296,6 +387,9 @@ class BatchEngine:
             request.finish_reason = criteria.reason(request.row)
 
     def _drop_cancelled(self) -> None:
+        if self.chunked is not None and all(request.cancelled for request in self.chunked.group):
+            group, self.chunked = self.chunked.group, None
+            self._live(group)
         for request in self.running:
             if request.cancelled and request.finish_reason is None:
                 request.finish_reason = "cancelled"
@@ -323,6 +417,8 @@ class BatchEngine:
     def _fail_all(self, exc: BaseException) -> None:
         """A step failed: every running request ends with the error; the cache starts over."""
         failed, self.running = self.running, []
+        if self.chunked is not None:
+            failed, self.chunked = failed + self.chunked.group, None
         self.cache = BatchKVCache(self.shape, self.max_batch, self.cache.block)
         for request in failed:
             self._finish(request, "error", exc)

@@ -38,6 +38,19 @@ class DecoderShape:
                 "max_positions": self.max_positions}
 
 
+def copy_blocks(tensors: list[torch.Tensor], row: int, start: int,
+                blocks: list[list[torch.Tensor]]) -> int:
+    """Copy K/V blocks (per cache tensor [kv heads, block, head dim]) one after another into
+    row `row` of `tensors` ([rows, kv heads, slots, head dim] each) from slot `start`; returns
+    the slot after the last."""
+    for block in blocks:
+        width = block[0].shape[1]
+        for tensor, part in zip(tensors, block, strict=True):
+            tensor[row, :, start:start + width].copy_(part)
+        start += width
+    return start
+
+
 class StaticKVCache:
     """K/V tensors [batch, kv_heads, slots, head_dim] (k0, v0, k1, v1, ...), the committed
     length, each row's next position, and the attention mask [batch, slots]: 0 on each row's
@@ -161,12 +174,7 @@ class BatchKVCache:
     def write_prompt(self, row: int, blocks: list[list[torch.Tensor]]) -> None:
         """Copy K/V blocks (per cache tensor [kv heads, block, head dim]) into row `row`'s first
         prompt slots, from its pad on (after `place`)."""
-        start = int(self.pads[row])
-        for block in blocks:
-            width = block[0].shape[1]
-            for tensor, part in zip(self.tensors, block, strict=True):
-                tensor[row, :, start:start + width].copy_(part)
-            start += width
+        copy_blocks(self.tensors, row, int(self.pads[row]), blocks)
 
     def prompt_kv(self, row: int, tokens: int) -> list[torch.Tensor]:
         """Views of row `row`'s first `tokens` prompt slots ([kv heads, tokens, head dim] each)."""

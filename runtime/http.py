@@ -455,13 +455,15 @@ COMPLETION, CHAT = CompletionFormat(), ChatFormat()
 # ---- the app -----------------------------------------------------------------------------------
 
 def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits(),
-               max_batch: int = 16, prefix_cache_mb: float = 256,
+               max_batch: int = 16, prefix_cache_mb: float = 256, prefill_chunk: int | None = 512,
                watermarks: Watermarks = Watermarks(), memory: Callable[[], float] | None = None,
                policy=None, slo_s: float = 0.1) -> FastAPI:
     """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer). With `api_key`,
     every path but /health needs `Authorization: Bearer <api_key>`. Decoders' completions are
     continuously batched, at most `max_batch` rows at a time (1: one after another), with a
-    prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none). Completions are admitted
+    prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none), prompts longer than
+    `prefill_chunk` tokens prefilled in chunks of it between decode steps (None: whole).
+    Completions are admitted
     by QoS class under the memory `watermarks` (`memory()`: the system memory fraction in use,
     psutil's by default): from 60% the prefix cache halves, from 80% the batch class gets 503,
     from 95% every new completion does, with Retry-After; admitted ones always finish. With a
@@ -470,7 +472,8 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
     metrics, worker = Metrics(), ModelWorker()
     if compiled.family == "decoder":
         prefix_cache = PrefixCache(capacity_bytes=int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb > 0 else None
-        worker.engine = compiled.batch_engine(max_batch, wake=worker.wake, prefix_cache=prefix_cache)
+        worker.engine = compiled.batch_engine(max_batch, wake=worker.wake, prefix_cache=prefix_cache,
+                                              prefill_chunk=prefill_chunk)
         metrics.watch(worker.engine)
 
     @asynccontextmanager

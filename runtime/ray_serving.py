@@ -314,7 +314,8 @@ def serve_on_ray(args, api_key: str | None) -> None:
                                 f"needs {args.replicas * args.replica_cpus:g} CPUs; this machine's "
                                 f"Ray has {cpus:g} (lower --replica-cpus, e.g. 0.5)")
         options = {"api_key": api_key, "max_batch": args.max_batch,
-                   "prefix_cache_mb": args.prefix_cache_mb, "slo_s": args.slo_ms / 1000,
+                   "prefix_cache_mb": args.prefix_cache_mb, "prefill_chunk": args.prefill_chunk or None,
+                   "slo_s": args.slo_ms / 1000,
                    "limits": {"max_body_bytes": args.max_body_bytes,
                               "max_tokens_limit": args.max_tokens_limit}}
         policy_args = {"policy": args.policy, "budget": args.budget, "slo_ms": args.slo_ms,

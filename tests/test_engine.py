@@ -98,6 +98,58 @@ def test_newcomers_are_prefilled_together_and_get_their_tokens_alone(compiled_ti
                                        seed=request.sampling.seed)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(compiled_tiny, arch):
+    """With `prefill_chunk=4`, an 11-token prompt (and a group of two samples on a 14-token
+    one) arriving while a request decodes is prefilled 4 tokens per step, each chunk followed
+    by the running row's decode step; a later prompt sharing the first's cached blocks
+    chunks only the rest. Every request's tokens equal `generate` on it alone."""
+    from rbcompile.prefix_cache import PrefixCache
+
+    compiled = compiled_tiny[arch][0]
+    engine = compiled.batch_engine(max_batch=4, prefill_chunk=4, prefix_cache=PrefixCache(block_tokens=4))
+    forwards = []
+    step = engine.step_fn
+    engine.step_fn = lambda ids, *args, **kwargs: forwards.append(tuple(ids.shape)) or step(ids, *args, **kwargs)
+    running = EngineRequest(PROMPTS[1], 12)
+    long = EngineRequest(PROMPTS[2], 5)
+    samples = [EngineRequest(PROMPTS[2] + [60, 61, 62], 4,
+                             SamplingConfig(do_sample=True, temperature=0.8, seed=seed)) for seed in (1, 2)]
+    engine.submit(running)
+    engine.step()
+    engine.submit(long)
+    engine.submit_samples(samples)
+    for _ in range(3):                  # three chunks (4 + 4 + 3), each before a decode step
+        engine.step()
+    assert forwards[:8] == [(1, 2), (1, 1), (1, 4), (1, 1), (1, 4), (1, 1), (1, 3), (2, 1)]
+    assert len(running.tokens) == 5 and len(long.tokens) == 2
+    later = EngineRequest(PROMPTS[2] + [70, 71, 72, 73, 74], 3)
+    drain(engine, [running, long, *samples, later], {3: [later]})
+    # the samples' prompt (14 tokens) reused the first's 2 blocks, the later one (16) 2 of theirs
+    assert engine.stats.prefill_chunks == 3 + 2 + 2
+    assert engine.stats.reused_prompt_tokens == 8 + 8
+    for request in (running, long, later):
+        assert request.tokens == alone(compiled, request.prompt, request.max_new_tokens), request.prompt
+    for request in samples:
+        assert request.tokens == alone(compiled, request.prompt, 4, do_sample=True, temperature=0.8,
+                                       seed=request.sampling.seed)
+    assert engine.cache.active == 0 and engine.chunked is None
+
+
+def test_cancelling_a_prompt_while_it_is_chunked_frees_it(compiled_tiny):
+    compiled = compiled_tiny["llama"][0]
+    engine = compiled.batch_engine(max_batch=2, prefill_chunk=4)
+    gone, waiting = EngineRequest(PROMPTS[2], 5), EngineRequest(PROMPTS[2][:6], 3)
+    engine.submit(gone)
+    engine.submit(waiting)
+    assert engine.step() and engine.chunked is not None and not engine.running
+    engine.cancel(gone)
+    drain(engine, [gone, waiting])
+    assert gone.finish_reason == "cancelled" and gone.tokens == []
+    assert waiting.tokens == alone(compiled, waiting.prompt, 3)
+    assert engine.stats.prefill_chunks == 1 + 2 and not engine.has_work
+
+
 def test_cancelled_request_frees_its_row_and_others_go_on(compiled_tiny):
     compiled = compiled_tiny["llama"][0]
     engine = compiled.batch_engine(max_batch=2)

@@ -392,6 +392,8 @@ def test_cli_refuses_an_open_host_without_a_key(tmp_path, capsys, monkeypatch):
     assert main(["serve", str(tmp_path), "--host", "0.0.0.0", "--api-key-env", "RBC_TEST_KEY"]) == 2
     assert "RBC_TEST_KEY: that environment variable is not set" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--max-tokens-limit", "0"]) == 2
+    assert main(["serve", str(tmp_path), "--prefill-chunk", "-1"]) == 2
+    assert "--prefill-chunk must be >= 0 (0: never chunk), got -1" in capsys.readouterr().err
 
 
 def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
@@ -404,6 +406,7 @@ def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
     assert main(["serve", str(artifact), "--host", "0.0.0.0", "--port", "9001",
                  "--api-key-env", "RBC_TEST_KEY"]) == 0
     assert (served["host"], served["port"]) == ("0.0.0.0", 9001)
+    assert served["app"].state.engine.prefill_chunk == 512          # the default
     client = TestClient(served["app"])
     assert client.get("/v1/models").status_code == 401
     assert client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).status_code == 200
