@@ -14,9 +14,14 @@ whole call, median over samples and rounds; "vs HF" is that median over HF gener
 the same run. Greedy tokens are compared with HF's per row, up to and including EOS.
 Writes benchmarks/results/bench_generate.json (every raw time) or --json PATH.
 
+--contenders picks among HF generate (always run: the reference), rbcompile off / ngram / self
+/ auto (`generate`, a static batch) and engine off / ngram: the continuous-batching engine
+(`batch_engine`, what `rbcompile serve` runs) given the batch's prompts unpadded at once, with
+`speculate` n-gram drafts verified in its batch steps for engine ngram.
+
     python benchmarks/bench_generate.py [--samples 3] [--rounds 1] [--new-tokens 128]
         [--batches 1 8] [--workloads continuation grounded technical] [--threads 2]
-        [--artifact FOLDER] [--json PATH] [--smoke]
+        [--contenders rbcompile-off ...] [--artifact FOLDER] [--json PATH] [--smoke]
 
 --smoke: 1 sample, 8 new tokens, batch 2, the grounded workload (checks the script in ~2 min).
 """
@@ -39,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import pin_threads, print_table, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
+from rbcompile.engine import EngineRequest  # noqa: E402
 from rbcompile.models import load_hf_model, resolve_checkpoint  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
@@ -48,7 +54,8 @@ VIM_DOC = Path("/usr/share/vim/vim90/doc")
 MANUAL = ["usr_02.txt", "motion.txt", "usr_03.txt", "change.txt", "usr_04.txt", "pattern.txt"]
 WORKLOADS = ("continuation", "grounded", "technical")
 MODES = ("off", "ngram", "self", "auto")
-CONTENDERS = ("HF generate", *(f"rbcompile {m}" for m in MODES))
+ENGINE_MODES = ("off", "ngram")
+CONTENDERS = ("HF generate", *(f"rbcompile {m}" for m in MODES), *(f"engine {m}" for m in ENGINE_MODES))
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -168,7 +175,19 @@ def make_contenders(compiled, eager, eos: set[int], pad: int, new_tokens: int):
             return result.tokens, result.stats
         return run
 
-    return {"HF generate": hf, **{f"rbcompile {m}": rb(m) for m in MODES}}
+    def engine(mode):
+        def run(input_ids, mask):
+            batch = compiled.batch_engine(max_batch=input_ids.shape[0])
+            requests = [batch.submit(EngineRequest(row[keep.bool()].tolist(), new_tokens,
+                                                   speculate=mode == "ngram"))
+                        for row, keep in zip(input_ids, mask)]
+            while batch.has_work:
+                batch.step()
+            return [request.tokens for request in requests], batch.stats
+        return run
+
+    return {"HF generate": hf, **{f"rbcompile {m}": rb(m) for m in MODES},
+            **{f"engine {m}": engine(m) for m in ENGINE_MODES}}
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -181,6 +200,10 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 def _stats_dict(stats) -> dict | None:
     if stats is None:
         return None
+    if not hasattr(stats, "steps_by_mode"):   # the engine's: steps counted per row (mean len)
+        return {"new_tokens": stats.tokens, "drafted": stats.drafted, "accepted": stats.accepted,
+                "decode_steps": stats.decode_rows, "step_tokens": stats.tokens - stats.prefills,
+                "steps_by_mode": {}}
     return {"prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
             "engine_seconds": stats.seconds, "forward_calls": stats.forward_calls,
             "drafted": stats.drafted, "accepted": stats.accepted,
@@ -232,6 +255,8 @@ def summarise(records: list[dict]) -> list[dict]:
         hf_rate = statistics.median(r["new_tokens"] / r["seconds"] for r in reference.values())
         for name in CONTENDERS:
             mine = [r for r in group if r["contender"] == name]
+            if not mine:
+                continue
             rate = statistics.median(r["new_tokens"] / r["seconds"] for r in mine)
             paired = statistics.median(
                 (r["new_tokens"] / r["seconds"]) / (ref["new_tokens"] / ref["seconds"])
@@ -357,6 +382,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contenders", nargs="+", choices=[c.replace(" ", "-") for c in CONTENDERS[1:]],
+                        default=[f"rbcompile-{m}" for m in MODES],
+                        help="besides HF generate (default: rbcompile off ngram self auto)")
     parser.add_argument("--json", help="output path (default benchmarks/results/bench_generate.json)")
     parser.add_argument("--smoke", action="store_true",
                         help="1 sample, 8 new tokens, batch 2, grounded only")
@@ -399,9 +427,12 @@ def main() -> None:
             say(f"  batch {batch} {workload}: {len(items)} call(s), prompt tokens "
                 f"{min(lengths)}-{max(lengths)}")
 
-    contenders = make_contenders(compiled, eager, eos, pad, args.new_tokens)
+    chosen = {"HF generate", *(c.replace("-", " ") for c in args.contenders)}
+    contenders = {name: fn for name, fn in make_contenders(compiled, eager, eos, pad, args.new_tokens).items()
+                  if name in chosen}
     with step("warming up every contender (each batch size, 8 new tokens)"):
-        warm = make_contenders(compiled, eager, eos, pad, min(8, args.new_tokens))
+        warm = {name: fn for name, fn in make_contenders(compiled, eager, eos, pad, min(8, args.new_tokens)).items()
+                if name in chosen}
         for batch in args.batches:
             item = work[(batch, args.workloads[0])][0]
             for fn in warm.values():

@@ -24,8 +24,15 @@ share only the step, never each other's keys (each row's mask starts at its own 
 forward runs the plan of the smallest budget among the rows in the batch at that moment, a
 row without a budget taking the engine's (a controller's); budgets are skipped-compute
 shares, so no request gets less compute than it asked for, and rows of one budget get exactly
-their tokens alone. Speculative decoding stays per-request `generate` (a batch step emits one
-token per row).
+their tokens alone.
+
+Speculative decoding in the batch: a request with `speculate` gets up to `draft_tokens` n-gram
+drafts (prompt lookup over its own tokens, as `generate(speculate="ngram")`) each step; the
+step runs [pending token + drafts] for every row, padded to the longest (rows without drafts
+use only their first position), within `verify_tokens` tokens per step, and each row keeps
+the drafts the full path agrees with (`sampling.verify`, lossless: greedy rows keep exactly
+their tokens, sampled rows their distribution, the same draws as `generate` alone). The
+cache masks each row's rejected slots (`BatchKVCache.advance_rows`).
 """
 from __future__ import annotations
 
@@ -38,11 +45,12 @@ from typing import Callable
 
 import torch
 
+from .drafters import NGramDrafter
 from .errors import UserError
 from .generation import RowTokens, StopCriteria, check_lengths, check_stop
 from .kv_cache import BatchKVCache, DecoderShape, copy_blocks
 from .prefix_cache import PrefixCache
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, verify
 
 
 @dataclass(eq=False)
@@ -56,6 +64,7 @@ class EngineRequest:
     stop: list[str] = field(default_factory=list)
     budget: float | None = None
     priority: int = 1               # lower first (QoS class: 0 interactive, 1 standard, 2 batch)
+    speculate: bool = False         # n-gram drafts verified in the batch step
     on_token: Callable[[int], None] | None = None
     on_finish: Callable[["EngineRequest"], None] | None = None
     row: RowTokens = field(default_factory=lambda: RowTokens(0))
@@ -66,6 +75,8 @@ class EngineRequest:
     first_token_at: float | None = None
     keep_first_logits: bool = False           # keep the prefill's logits (before `on_token`)
     first_logits: torch.Tensor | None = None  # [vocab]: what its first token was drawn from
+    drafted: int = 0                # draft tokens verified (with `speculate`)
+    accepted: int = 0               # of those, kept
 
     @property
     def tokens(self) -> list[int]:
@@ -81,6 +92,9 @@ class EngineStats:
     reused_prompt_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache
     decode_steps: int = 0
     decode_rows: int = 0       # rows summed over decode steps (mean batch = rows / steps)
+    speculative_steps: int = 0      # decode steps that verified drafts
+    drafted: int = 0
+    accepted: int = 0
     tokens: int = 0
     finished: int = 0
 
@@ -103,20 +117,25 @@ class BatchEngine:
     """`step(input_ids, attention_mask, position_ids, cache_position, logit_positions, cache,
     gates=None)` is the artifact's decoder (see decoder.Decoder); `gates_for_budget(budget)`
     its gates for a budget (None: the full path). `prefill_chunk`: prompts longer than this
-    are prefilled in chunks of it (None: never)."""
+    are prefilled in chunks of it (None: never). `draft_tokens`: most drafts per speculating
+    row and step; `verify_tokens`: most tokens (rows x (1 + drafts)) a speculative step runs."""
 
     def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
                  eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
                  block: int = 64, wake: threading.Condition | None = None,
                  prefix_cache: PrefixCache | None = None, prefill_tokens: int = 2048,
-                 prefill_chunk: int | None = 512):
+                 prefill_chunk: int | None = 512, draft_tokens: int = 4, verify_tokens: int = 64):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_tokens < 1:
             raise UserError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise UserError(f"prefill_chunk must be >= 1 (None: never chunk), got {prefill_chunk}")
+        if draft_tokens < 1 or verify_tokens < 1:
+            raise UserError(f"draft_tokens and verify_tokens must be >= 1, got {draft_tokens} "
+                            f"and {verify_tokens}")
         self.prefill_tokens, self.prefill_chunk = prefill_tokens, prefill_chunk
+        self.draft_tokens, self.verify_tokens = draft_tokens, verify_tokens
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
@@ -127,6 +146,7 @@ class BatchEngine:
         self.chunked: ChunkedPrefill | None = None    # a long prompt being prefilled
         self.criteria: dict[EngineRequest, StopCriteria] = {}
         self.generators: dict[EngineRequest, torch.Generator | None] = {}
+        self.drafters: dict[EngineRequest, NGramDrafter] = {}
         self.stats = EngineStats()
         self.budget: float | None = None   # for requests without their own (a controller's)
         self.controller = None             # runtime.decode_control.DecodeController, if any
@@ -162,6 +182,8 @@ class BatchEngine:
             self.criteria[request] = StopCriteria(request.max_new_tokens, self.eos,
                                                   list(request.stop), self.decode)
             self.generators[request] = request.sampling.generator(self.shape.device)
+            if request.speculate:
+                self.drafters[request] = NGramDrafter(request.prompt)
         priority = min(request.priority for request in group)
         with self.wake:
             heapq.heappush(self.waiting, (priority, next(self.arrivals), tuple(group)))
@@ -346,28 +368,63 @@ class BatchEngine:
             self._emit(request, int(request.sampling.choose(logits[None], self.generators[request])))
 
     def _decode(self) -> None:
+        """One step over every running row: its pending token and its drafts, if any."""
         cache, device, started = self.cache, self.shape.device, perf_counter()
-        cache.reserve_step()
+        drafts = self._drafts()
+        width = 1 + max(map(len, drafts))
+        cache.reserve_step(width)
         rows = slice(0, cache.active)
-        pending = torch.tensor([[request.tokens[-1]] for request in self.running], device=device)
-        logits = self.step_fn(pending, cache.attention_mask(rows),
-                              (cache.length - cache.pads[rows])[:, None],
-                              torch.tensor([cache.length], device=device),
-                              torch.zeros(1, dtype=torch.long, device=device), cache.views(rows),
-                              gates=self._gates(self.running))[:, -1]
-        cache.advance()
+        ids = [[request.tokens[-1], *draft] + [request.tokens[-1]] * (width - 1 - len(draft))
+               for request, draft in zip(self.running, drafts)]
+        offsets = torch.arange(width, device=device)
+        logits = self.step_fn(torch.tensor(ids, device=device), cache.attention_mask(rows),
+                              cache.positions(rows)[:, None] + offsets, cache.length + offsets,
+                              offsets, cache.views(rows), gates=self._gates(self.running))
+        emitted = self._verify(logits, drafts)
+        cache.advance_rows([len(tokens) - 1 for tokens in emitted], width)
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self.running)
+        self.stats.speculative_steps += width > 1
         if self.controller is not None:
-            top = logits.float().softmax(-1).max(-1).values.tolist()
+            top = logits[:, 0].float().softmax(-1).max(-1).values.tolist()
             self.controller.step_done(perf_counter() - started, top)
-        greedy = logits.argmax(-1).tolist()
-        for index, request in enumerate(self.running):
-            sampling = request.sampling
-            token = (int(sampling.choose(logits[index:index + 1], self.generators[request]))
-                     if sampling.do_sample else greedy[index])
-            self._emit(request, token)
+        for request, tokens in zip(self.running, emitted):
+            for token in tokens:
+                self._emit(request, token)
+                if request.finish_reason is not None:
+                    break
         self._leave_finished()
+
+    def _drafts(self) -> list[list[int]]:
+        """Each running row's drafts this step ([] without `speculate` or a match): at most
+        `draft_tokens`, one less than the tokens it has left, and as many as keep the step
+        within `verify_tokens` tokens."""
+        limit = min(self.draft_tokens, self.verify_tokens // len(self.running) - 1)
+        if limit < 1 or not self.drafters:
+            return [[] for _ in self.running]
+        return [self.drafters[request].propose(min(limit, request.max_new_tokens - len(request.tokens) - 1))
+                if request in self.drafters else [] for request in self.running]
+
+    def _verify(self, logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+        """Each row's tokens from the step's logits [rows, width, vocab]: the drafts the full
+        path keeps and the token after them (rows without drafts: a token from position 0)."""
+        greedy = logits[:, 0].argmax(-1).tolist()
+        emitted = []
+        for index, (request, draft) in enumerate(zip(self.running, drafts)):
+            generator = self.generators[request]
+            if draft:
+                kept, following = verify(request.sampling, logits[index, :len(draft) + 1],
+                                         torch.tensor(draft, device=logits.device), None, generator)
+                request.drafted += len(draft)
+                request.accepted += kept
+                self.stats.drafted += len(draft)
+                self.stats.accepted += kept
+                emitted.append(draft[:kept] + [following])
+            elif request.sampling.do_sample:
+                emitted.append([int(request.sampling.choose(logits[index, :1], generator))])
+            else:
+                emitted.append([greedy[index]])
+        return emitted
 
     def _gates(self, requests: list[EngineRequest]):
         """The gates of the smallest budget among `requests` (the running rows, or a group), one
@@ -377,6 +434,8 @@ class BatchEngine:
 
     def _emit(self, request: EngineRequest, token: int) -> None:
         request.row.tokens.append(token)
+        if request in self.drafters:
+            self.drafters[request].extend([token])
         if request.first_token_at is None:
             request.first_token_at = perf_counter()
         self.stats.tokens += 1
@@ -410,6 +469,7 @@ class BatchEngine:
         request.finish_reason, request.error = reason, error
         self.criteria.pop(request, None)
         self.generators.pop(request, None)
+        self.drafters.pop(request, None)
         self.stats.finished += 1
         if request.on_finish is not None:
             request.on_finish(request)

@@ -129,15 +129,19 @@ class BatchKVCache:
     slot `length` is the next one written. A request joins by a prefill written straight into
     row `active` at slots [length - P, length), so its left pad is `length - P` (slots before it
     are masked; positions are slot - pad, as in StaticKVCache), or as a copy of a row that
-    joined (`fork`). A row leaves by the last active row being copied into its place. The slot
-    axis grows in `block`s when full, after first trying to compact it: moving every row's
+    joined (`fork`). A row leaves by the last active row being copied into its place. A step
+    may write several slots per row (a pending token and drafts); the slots of drafts a row
+    rejected become holes, masked for good, and its positions skip them (`advance_rows`). The
+    slot axis grows in `block`s when full, after first trying to compact it: moving every row's
     slots left by the smallest pad changes no attention score (positions travel with the keys,
-    masks with the pads)."""
+    masks with the pads and holes)."""
 
     def __init__(self, shape: DecoderShape, rows: int, block: int = 64):
         self.shape, self.rows, self.block = shape, rows, block
         self.tensors = self._allocate(block)
         self.pads = torch.zeros(rows, dtype=torch.long, device=shape.device)
+        self.holes = torch.zeros(rows, block, dtype=torch.bool, device=shape.device)
+        self.skipped = torch.zeros(rows, dtype=torch.long, device=shape.device)   # holes per row
         self.active = self.length = 0
 
     @property
@@ -154,9 +158,13 @@ class BatchKVCache:
         return [tensor[rows] for tensor in self.tensors]
 
     def attention_mask(self, rows: slice) -> torch.Tensor:
-        """[rows, capacity]: 1 on each row's slots from its pad on."""
+        """[rows, capacity]: 1 on each row's slots from its pad on, but its holes."""
         slots = torch.arange(self.capacity, device=self.pads.device)
-        return (slots[None] >= self.pads[rows, None]).long()
+        return ((slots[None] >= self.pads[rows, None]) & ~self.holes[rows]).long()
+
+    def positions(self, rows: slice) -> torch.Tensor:
+        """[rows]: each row's position at slot `length`."""
+        return self.length - self.pads[rows] - self.skipped[rows]
 
     def place(self, prompt_tokens: int) -> int:
         """Room for a `prompt_tokens` prefill ending at slot `length` in row `active`; returns
@@ -169,6 +177,8 @@ class BatchKVCache:
             self._shift(prompt_tokens - self.length)
         self._reserve(self.length + 1)
         self.pads[self.active] = self.length - prompt_tokens
+        self.holes[self.active] = False
+        self.skipped[self.active] = 0
         return self.active
 
     def write_prompt(self, row: int, blocks: list[list[torch.Tensor]]) -> None:
@@ -193,9 +203,13 @@ class BatchKVCache:
         copy, start = self.active, int(self.pads[row])
         for tensor in self.tensors:
             tensor[copy, :, start:self.length].copy_(tensor[row, :, start:self.length])
-        self.pads[copy] = self.pads[row]
+        self._copy_row(copy, row)
         self.active += 1
         return copy
+
+    def _copy_row(self, to: int, row: int) -> None:
+        self.pads[to], self.skipped[to] = self.pads[row], self.skipped[row]
+        self.holes[to] = self.holes[row]
 
     def leave(self, row: int) -> None:
         """Row `row` leaves; the last active row takes its place."""
@@ -203,7 +217,7 @@ class BatchKVCache:
         if row != last:
             for tensor in self.tensors:
                 tensor[row].copy_(tensor[last])
-            self.pads[row] = self.pads[last]
+            self._copy_row(row, last)
         self.active = last
 
     def reserve_step(self, tokens: int = 1) -> None:
@@ -212,6 +226,16 @@ class BatchKVCache:
 
     def advance(self, tokens: int = 1) -> None:
         self.length += tokens
+
+    def advance_rows(self, kept: list[int], width: int) -> None:
+        """After a step that wrote `width` slots per active row from `length` (a pending token
+        and drafts): row i keeps its pending token and `kept[i]` drafts, the slots of the
+        drafts it rejected become holes."""
+        for row, count in enumerate(kept):
+            if count + 1 < width:
+                self.holes[row, self.length + count + 1:self.length + width] = True
+                self.skipped[row] += width - 1 - count
+        self.length += width
 
     def _reserve(self, slots: int) -> None:
         if slots <= self.capacity:
@@ -225,11 +249,13 @@ class BatchKVCache:
         """Move the active rows' slots by `by` (right if positive), pads and length with them."""
         self._grow(self.length + by)
         start, end = max(0, -by), self.length
-        for tensor in self.tensors:
-            moved = tensor[:self.active, :, start:end].clone()
-            tensor[:self.active, :, start + by:end + by].copy_(moved)
+        for tensor, axis in [(tensor, 2) for tensor in self.tensors] + [(self.holes, 1)]:
+            rows = tensor[:self.active]
+            moved = rows.narrow(axis, start, end - start).clone()
+            rows.narrow(axis, start + by, end - start).copy_(moved)
         self.pads[:self.active] += by
         self.length += by
+        self.holes[:, self.length:] = False    # slots past the length are written afresh
 
     def _grow(self, slots: int) -> None:
         """At least `slots` slots, in whole blocks."""
@@ -238,4 +264,6 @@ class BatchKVCache:
         grown = self._allocate(-(-slots // self.block) * self.block)
         for new, old in zip(grown, self.tensors):
             new[:, :, :self.capacity].copy_(old)
-        self.tensors = grown
+        holes = self.holes.new_zeros(self.rows, grown[0].shape[2])
+        holes[:, :self.capacity] = self.holes
+        self.tensors, self.holes = grown, holes

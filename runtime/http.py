@@ -659,7 +659,7 @@ class _Service:
         await self._admit(body.rbcompile.qos)
         if body.rbcompile.consistency is not None:
             return await self._voted(body, batch, stop, max_tokens, header, fmt, prompt_tokens)
-        if body.rbcompile.speculate == "off":
+        if body.rbcompile.speculate in ("off", "ngram"):
             run = self._batched(body, batch, stop, max_tokens)
         else:
             run = await self._generated(body, batch, stop, max_tokens)
@@ -697,7 +697,8 @@ class _Service:
         """The choices as requests of the continuous-batching engine, the n choices of a prompt
         as one group that shares its prefill (when the batch has rows for all n); choice i
         samples with seed `seed + i` (its own generator: the same prompt, seed and choice index
-        give the same text whatever else is in the batch)."""
+        give the same text whatever else is in the batch). `speculate: ngram` drafts are
+        verified in the engine's batch steps."""
         engine, loop, queue = self.worker.engine, asyncio.get_running_loop(), asyncio.Queue()
         requests = []
         try:
@@ -711,6 +712,7 @@ class _Service:
                     group.append(EngineRequest(
                         prompt, max_tokens, sampling, stop, body.rbcompile.budget,
                         priority=QOS_CLASSES.index(body.rbcompile.qos),
+                        speculate=body.rbcompile.speculate == "ngram",
                         on_token=partial(_deliver, loop, queue, index),
                         on_finish=lambda request, index=index: _deliver(loop, queue, index, None)))
                 if len(group) <= engine.max_batch:
@@ -721,7 +723,8 @@ class _Service:
             for request in requests:
                 engine.cancel(request)
             raise
-        return _TokenRun(self._engine_events(requests, queue))
+        return _TokenRun(self._engine_events(requests, queue), lambda: (
+            sum(r.drafted for r in requests), sum(r.accepted for r in requests)))
 
     async def _engine_events(self, requests: list[EngineRequest], queue: asyncio.Queue):
         """(choice, token) as the engine emits them; stopping early (a client gone) cancels
@@ -771,8 +774,8 @@ class _Service:
 
     async def _generated(self, body, batch, stop: list[str], max_tokens: int) -> "_TokenRun":
         """The choices through speculative `generate` as one batch on the model thread (the
-        engine's batch steps emit one token per row); `seed` seeds the one generator the batch
-        draws from."""
+        engine drafts by n-gram only: 'self' and 'auto' need the light path's draft forwards
+        per request); `seed` seeds the one generator the batch draws from."""
         events = await self.worker.call(
             self.compiled.generate, batch["input_ids"].repeat_interleave(body.n, 0),
             batch["attention_mask"].repeat_interleave(body.n, 0),
@@ -780,7 +783,8 @@ class _Service:
             temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
             seed=body.seed, stop=stop or None, budget=body.rbcompile.budget,
             speculate=body.rbcompile.speculate, stream=True)   # checks, before the 200
-        return _TokenRun(self.worker.iterate(events), events)
+        return _TokenRun(self.worker.iterate(events), lambda: (
+            events.result().stats.drafted, events.result().stats.accepted))
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -845,10 +849,10 @@ class _Service:
 
 class _TokenRun:
     """A generation's (choice, token) events, and its counters for the metrics once they end
-    (`scheduler`: the speculative `generate`'s, for drafted / accepted)."""
+    (`drafts()`: draft tokens verified and accepted)."""
 
-    def __init__(self, events, scheduler=None):
-        self.scheduler, self.started, self.tokens = scheduler, time.perf_counter(), 0
+    def __init__(self, events, drafts: Callable[[], tuple[int, int]]):
+        self.drafts, self.started, self.tokens = drafts, time.perf_counter(), 0
         self.events = self._counted(events)
 
     async def _counted(self, events):
@@ -857,9 +861,7 @@ class _TokenRun:
             yield event
 
     def record(self, metrics: Metrics) -> None:
-        stats = self.scheduler.result().stats if self.scheduler is not None else None
-        metrics.record_generation(self.tokens, time.perf_counter() - self.started,
-                                  stats.drafted if stats else 0, stats.accepted if stats else 0)
+        metrics.record_generation(self.tokens, time.perf_counter() - self.started, *self.drafts())
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -150,6 +150,38 @@ def test_cancelling_a_prompt_while_it_is_chunked_frees_it(compiled_tiny):
     assert engine.stats.prefill_chunks == 1 + 2 and not engine.has_work
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_speculating_rows_verify_ngram_drafts_in_the_batch_step(compiled_tiny, arch):
+    """Requests with `speculate` (greedy, and sampled with a seed) share batch steps with one
+    that does not; each step runs every row's pending token and drafts, and every request's
+    tokens equal `generate` alone (speculate='ngram' for the speculating ones, off for the
+    other); rejected drafts leave holes that later joins, leaves and growth keep masked."""
+    compiled = compiled_tiny[arch][0]
+    engine = compiled.batch_engine(max_batch=3)
+    engine.cache.block = 4
+    widths = []
+    step = engine.step_fn
+    engine.step_fn = lambda ids, *args, **kwargs: widths.append(ids.shape[1]) or step(ids, *args, **kwargs)
+    sampling = SamplingConfig(do_sample=True, temperature=0.8, seed=4)
+    greedy = EngineRequest(PROMPTS[0] * 2, 16, speculate=True)
+    plain = EngineRequest(PROMPTS[1], 12)
+    sampled = EngineRequest(PROMPTS[2], 14, sampling, speculate=True)
+    later = EngineRequest(PROMPTS[3] * 3, 10, speculate=True)
+    drain(engine, [greedy, plain, sampled, later], {0: [greedy, plain], 2: [sampled], 6: [later]})
+    assert greedy.tokens == alone(compiled, greedy.prompt, 16, speculate="ngram")
+    assert greedy.tokens == alone(compiled, greedy.prompt, 16)
+    assert plain.tokens == alone(compiled, PROMPTS[1], 12)
+    assert sampled.tokens == alone(compiled, PROMPTS[2], 14, speculate="ngram", do_sample=True,
+                                   temperature=0.8, seed=4)
+    assert later.tokens == alone(compiled, later.prompt, 10, speculate="ngram")
+    stats = engine.stats
+    assert stats.speculative_steps > 0 and 1 + engine.draft_tokens in widths   # 4 drafts a row
+    assert stats.drafted == sum(r.drafted for r in (greedy, sampled, later)) > 0
+    assert stats.accepted == sum(r.accepted for r in (greedy, sampled, later))
+    assert plain.drafted == 0
+    assert stats.decode_steps < stats.tokens - stats.prefills   # some steps gave a row several
+
+
 def test_cancelled_request_frees_its_row_and_others_go_on(compiled_tiny):
     compiled = compiled_tiny["llama"][0]
     engine = compiled.batch_engine(max_batch=2)
@@ -196,24 +228,22 @@ def test_bad_requests_are_refused_before_they_are_queued(compiled_tiny, prompt, 
 
 
 def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth():
-    """Each row's slots hold (row id, position) pairs; after every operation each active row
-    still holds its own pairs at slots pad + position."""
+    """Each row's slots hold (row id, position) pairs, rejected drafts (99, 99); after every
+    operation each active row's unmasked slots before `length` hold its own pairs, positions
+    0, 1, 2, ... from its pad on, and `positions` gives its next one."""
     shape = DecoderShape(layers=1, kv_heads=1, head_dim=2, max_positions=512)
     cache = BatchKVCache(shape, rows=3, block=4)
     owners = []   # owner id per cache row
 
-    def write(row, first_position, count, owner):
-        slots = range(cache.length - count, cache.length) if first_position else None
-        for tensor in cache.tensors:
-            for i, slot in enumerate(slots or range(cache.length, cache.length + count)):
-                tensor[row, 0, slot] = torch.tensor([owner, first_position + i], dtype=tensor.dtype)
-
     def check():
+        mask = cache.attention_mask(slice(0, cache.active))
         for row, owner in enumerate(owners):
-            pad = int(cache.pads[row])
+            visible = [slot for slot in range(cache.length) if mask[row, slot]]
+            assert visible[0] == int(cache.pads[row])
             for tensor in cache.tensors:
-                for slot in range(pad, cache.length):
-                    assert tensor[row, 0, slot].tolist() == [owner, slot - pad], (row, slot)
+                assert [tensor[row, 0, slot].tolist() for slot in visible] == \
+                    [[owner, position] for position in range(len(visible))], row
+            assert int(cache.positions(slice(row, row + 1))) == len(visible)
 
     def join(owner, prompt):
         row = cache.place(prompt)
@@ -224,25 +254,34 @@ def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(
         owners.append(owner)
         check()
 
+    def speculate(kept, width):
+        """A step of `width` slots per row; row i keeps its pending token and kept[i] drafts."""
+        cache.reserve_step(width)
+        positions = cache.positions(slice(0, cache.active)).tolist()
+        for row, owner in enumerate(owners):
+            for i in range(width):
+                value = [owner, positions[row] + i] if i <= kept[row] else [99, 99]
+                for tensor in cache.tensors:
+                    tensor[row, 0, cache.length + i] = torch.tensor(value, dtype=tensor.dtype)
+        cache.advance_rows(kept, width)
+        check()
+
     def decode(steps):
         for _ in range(steps):
-            cache.reserve_step()
-            for row, owner in enumerate(owners):
-                for tensor in cache.tensors:
-                    tensor[row, 0, cache.length] = torch.tensor(
-                        [owner, cache.length - int(cache.pads[row])], dtype=tensor.dtype)
-            cache.advance()
-            check()
+            speculate([0] * len(owners), 1)
 
     join(1, 3)
     decode(2)
-    join(2, 9)            # longer than the running row: slots shift right
-    assert int(cache.pads[0]) == 4
-    decode(3)
-    cache.leave(0)        # row 1 moves into row 0
+    speculate([1], 4)     # two rejected drafts: holes
+    join(2, 12)           # longer than the running row: slots (and holes) shift right
+    assert int(cache.pads[0]) == 3
+    speculate([3, 0], 4)
+    decode(2)
+    cache.leave(0)        # row 1 moves into row 0, its holes with it
     owners[0:2] = [owners[1]]
     check()
     join(3, 2)
     capacity = cache.capacity
     decode(9)             # past the capacity: compacts (pads >= block) or grows
     assert cache.capacity >= capacity and int(cache.pads[:cache.active].min()) < cache.block
+    speculate([2, 0], 3)

@@ -413,23 +413,30 @@ def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
 
 
 def test_concurrent_completions_share_batch_steps_and_keep_their_tokens(llama):
-    """Six completions at once (ASGI, concurrently): the engine decodes them together, and
-    each text is generate's on that prompt alone."""
+    """Six completions at once (ASGI, concurrently), half with `speculate: ngram`: the engine
+    decodes them together, verifying the n-gram drafts in its batch steps, and each text is
+    generate's on that prompt alone; /metrics counts the drafts."""
     import httpx
 
     app = create_app(llama, max_batch=4)
-    prompts = ["the a of", "he she and to", "in the", "of and to in he", "she", "a the of and"]
+    prompts = ["the a of the a", "he she and to", "in the in the in", "of and to in he", "she", "a the of and"]
 
     async def post_all():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await asyncio.gather(*(client.post("/v1/completions", json={
-                "prompt": prompt, "max_tokens": 12, "temperature": 0}) for prompt in prompts))
+            responses = await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "rbcompile": {"speculate": "ngram" if i % 2 == 0 else "off"}})
+                for i, prompt in enumerate(prompts)))
+            return responses, (await client.get("/metrics")).text
 
-    texts = [response.json()["choices"][0]["text"] for response in asyncio.run(post_all())]
+    responses, metrics = asyncio.run(post_all())
+    texts = [response.json()["choices"][0]["text"] for response in responses]
     assert texts == [greedy_texts(llama, [prompt], 12)[0] for prompt in prompts]
     stats = app.state.engine.stats
     assert stats.prefills == len(prompts) and stats.decode_rows > stats.decode_steps
+    assert stats.speculative_steps > 0 and stats.drafted > 0
+    assert f"rbcompile_speculative_drafted_tokens_total {float(stats.drafted)}" in metrics
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(llama):
