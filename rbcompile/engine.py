@@ -12,11 +12,11 @@ prefilled in chunks instead (chunked prefill, as vLLM and Sarathi do): one chunk
 (`ChunkedPrefill`, under the plan of its budget when it started; one such prompt at a time,
 queue order kept), so a long prompt delays the running streams by one chunk per step instead
 of by its whole prefill; after its last chunk its K/V are copied into a batch row and it
-joins. Then one decode step runs over
-every running row, each row gets its token, and finished or cancelled rows leave. A group of requests on
-one prompt (`submit_samples`: the n choices of a completion, the samples of
-self-consistency) joins with one prefilled row, forked into one row per request, each drawing
-its first token from the same logits with its own generator.
+joins. Then one decode step runs over every running row, each row gets its token, and
+finished or cancelled rows leave. A group of requests on one prompt (`submit_samples`: the n
+choices of a completion, the samples of self-consistency) joins with one prefilled row,
+forked into one row per request, each drawing its first token from the same logits with its
+own generator.
 
 Any thread may `submit` / `cancel`; one thread (the server's model thread) calls `step` while
 `has_work` and waits on `wake` otherwise. A row's tokens are those it would get alone: rows
