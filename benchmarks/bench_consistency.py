@@ -5,14 +5,16 @@ on the test split of benchmarks/data/consistency-questions.jsonl.
     python benchmarks/bench_consistency.py [build/smollm2-135m] [--limit N]
 
 Each contender answers every test question in one continuous batch (`--max-batch` rows, a
-shared prefix cache holding the few-shot prefix); samples draw at temperature 0.7, sample i of
-a question with seed 1000 + i (so fixed 3's samples are fixed 7's first three, and the router's
-are the same samples). Answers: the completion's first word, normalised; right when equal to
-the known answer.
+shared prefix cache holding the few-shot prefix); samples draw at the router's sampling setting
+(train_consistency_router.py's SETTING, chosen on the training split by sweep_consistency.py),
+sample i of a question with seed 1000 + i (so fixed 3's samples are fixed 7's first three, and
+the router's are the same samples). Answers: the completion's first word, normalised; right
+when equal to the known answer.
 - greedy 1: one greedy answer per question.
 - fixed 3 / fixed 7: 3 / 7 samples drawn at once, all counted (no early stop).
-- router: `consistency="auto"` (rbcompile/consistency_router.py): a greedy prefill, then the
-  router picks 1, 3 or 7 samples; all counted.
+- router: `consistency="auto"` (rbcompile/consistency_router.py): a greedy row, whose prefill
+  the router reads to pick 1, 3 or 7 votes: the greedy answer, or it and 2 or 6 samples; all
+  counted.
 - router + early stop: the same, with Adaptive-Consistency's stop (VoteOptions defaults:
   leader cannot be overtaken, or Beta posterior >= 0.95) and samples drawn in waves
   (`draw="waves"`), so a decided vote leaves samples undrawn.
@@ -24,7 +26,8 @@ question. The seed's quality score = 0.6 x accuracy + 0.3 x consistency + 0.1 x 
 consistency = the mean share of a question's counted samples that give the returned answer
 (1 for greedy: one deterministic sample) and speed = greedy's wall time / the contender's
 (1 for greedy). The router's own accuracy is measured on the test split too: its tier against
-the label the greedy, fixed 3 and fixed 7 answers give (`label_tier`).
+the label the greedy answer and fixed 7's samples give (`label_tier`: the fewest votes whose
+answer is right, 1 when greedy is right or none is), next to always picking tier 1.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import consistency_questions as questions  # noqa: E402
 from common import pin_threads, print_table, write_json  # noqa: E402
+from train_consistency_router import MAX_NEW_TOKENS, SEED, parse_setting  # noqa: E402
 
 import rbcompile  # noqa: E402
 from rbcompile.consistency import RoutedGroup, SampleGroup, VoteOptions, normalise  # noqa: E402
@@ -44,9 +48,6 @@ from rbcompile.consistency_router import find_router, label_tier  # noqa: E402
 from rbcompile.prefix_cache import PrefixCache  # noqa: E402
 from rbcompile.sampling import SamplingConfig  # noqa: E402
 
-SEED = 1000
-TEMPERATURE = 0.7
-MAX_NEW_TOKENS = 6
 RESAMPLES = 2000
 
 
@@ -87,7 +88,8 @@ def main() -> None:
     rows = questions.load("test")[:args.limit]
     prompts = [model.tokenizer(questions.prompt(row["question"]))["input_ids"] for row in rows]
     gold = [normalise(row["answer"]) for row in rows]
-    sampled = SamplingConfig(do_sample=True, temperature=TEMPERATURE, seed=SEED)
+    setting = router.info.get("setting", "0.7")   # routers trained before the sweep: 0.7
+    sampled = parse_setting(setting)
     common = dict(max_new_tokens=MAX_NEW_TOKENS, stop=questions.STOP)
     all_counted = VoteOptions(extract=questions.EXTRACT, early_stop="off")
     early = VoteOptions(extract=questions.EXTRACT, draw="waves")
@@ -99,13 +101,16 @@ def main() -> None:
         "router + early stop": lambda e, p: RoutedGroup(e, p, router, sampling=sampled, options=early,
                                                         **common),
     }
-    results, answers = {}, {}
+    results, answers, fixed7 = {}, {}, []
     for name, make_group in contenders.items():
         print(f"{name}: {len(rows)} questions", file=sys.stderr)
         groups, seconds = run(model, prompts, make_group, args.max_batch)
         samples = [getattr(group, "group", group) for group in groups]
         votes = [group.voter.vote() for group in samples]
         answers[name] = [vote.answer for vote in votes]
+        if name == "fixed 7":   # each sample's answer, in seed order
+            fixed7 = [[group.voter.answer(group.texts[request]) for request in group.requests]
+                      for group in samples]
         correct = [answer == expected for answer, expected in zip(answers[name], gold)]
         agreement = [vote.clusters[0].votes / max(len(vote.answers), 1) if vote.clusters else 0.0
                      for vote in votes]
@@ -123,11 +128,11 @@ def main() -> None:
         result["speed"] = greedy["seconds"] / result["seconds"]
         result["quality"] = (0.6 * result["accuracy"] + 0.3 * result["consistency"]
                              + 0.1 * result["speed"])
-    labels = [label_tier(*triple) for triple in zip(answers["greedy 1"], answers["fixed 3"],
-                                                    answers["fixed 7"])]
+    labels = [label_tier(first, seven, answer)
+              for first, seven, answer in zip(answers["greedy 1"], fixed7, gold)]
     chosen = results["router"]["router_tiers"]
     router_accuracy = sum(a == b for a, b in zip(chosen, labels)) / len(rows)
-    changes = sum((a > 1) == (b > 1) for a, b in zip(chosen, labels)) / len(rows)
+    needed = sum((a > 1) == (b > 1) for a, b in zip(chosen, labels)) / len(rows)
     table = [{"name": name, "acc": f"{100 * r['accuracy']:.1f}",
               "ci": f"[{100 * r['accuracy_95'][0]:.1f}, {100 * r['accuracy_95'][1]:.1f}]",
               "samples": f"{r['samples_per_question']:.2f}", "tokens": r["tokens"],
@@ -140,14 +145,15 @@ def main() -> None:
                         ("quality", "quality")])
     print(f"router on the {len(rows)} test questions: tier accuracy {100 * router_accuracy:.1f}% "
           f"(labels {dict((t, labels.count(t)) for t in (1, 3, 7))}; always 1: "
-          f"{100 * labels.count(1) / len(rows):.1f}%), 'voting changes the answer' accuracy "
-          f"{100 * changes:.1f}%; held out at training: {router.info.get('holdout_accuracy')}")
+          f"{100 * labels.count(1) / len(rows):.1f}%), 'a vote is needed' accuracy "
+          f"{100 * needed:.1f}%; cross-validated at training: "
+          f"{router.info.get('cv_tier_accuracy')}")
     for result in results.values():
         result.pop("router_tiers")
     path = write_json("consistency", {
-        "artifact": args.artifact, "questions": len(rows), "temperature": TEMPERATURE,
+        "artifact": args.artifact, "questions": len(rows), "sampling": setting,
         "max_new_tokens": MAX_NEW_TOKENS, "sample_seed": SEED, "contenders": results,
-        "router": {"test_tier_accuracy": router_accuracy, "test_change_accuracy": changes,
+        "router": {"test_tier_accuracy": router_accuracy, "test_vote_needed_accuracy": needed,
                    "test_labels": {t: labels.count(t) for t in (1, 3, 7)}, "info": router.info}},
         args.json)
     print(f"wrote {path}")

@@ -1,12 +1,14 @@
 """The complexity router of self-consistency (`consistency="auto"`): from cheap features of a
 prompt and the model's own first-token distribution (the prefill's logits), a small classifier
-picks how many samples to vote over: 1 (the greedy answer), 3 or 7.
+picks how many answers to vote over: 1 (the greedy answer), 3 or 7 (the greedy answer and 2 or
+6 samples).
 
 It is multinomial logistic regression over standardised features, trained (`train_router`) on
-questions labelled by running the model: tier 1 when the vote of 7 samples gives the greedy
-answer (voting changes nothing), 3 when the vote of the first 3 samples already gives the
-7-sample answer, else 7. It is stored as JSON (no pickle) with the sha256 of the checkpoint it
-was trained for; `find_router` picks the shipped one whose checksum matches an artifact's.
+questions labelled by running the model (`label_tier`: the fewest votes whose answer is right;
+1 when the greedy answer is right or no vote is), with a decision threshold on the probability
+of tier 1 (chosen by cross-validation when training). It is stored as JSON (no pickle) with the
+sha256 of the checkpoint it was trained for; `find_router` picks the shipped one whose checksum
+matches an artifact's.
 benchmarks/train_consistency_router.py labels questions and trains one for any decoder
 artifact.
 """
@@ -71,14 +73,16 @@ def prompt_features(prompt: str, last_logits: torch.Tensor) -> list[float]:
 @dataclass
 class ComplexityRouter:
     """A trained router: standardisation, then logits = features @ weights.T + bias over
-    `TIERS`. `info`: what it was trained for and how well it did (checkpoint sha256 and name,
-    seed, accuracies)."""
+    `TIERS`. It picks tier 1 unless that tier's probability is below `threshold`, then the
+    likelier of the others (None: the likeliest tier). `info`: what it was trained for and how
+    well it did (checkpoint sha256 and name, seed, accuracies)."""
     mean: list[float]
     std: list[float]
     weights: list[list[float]]          # [tiers, features]
     bias: list[float]
     features: tuple[str, ...] = FEATURES
     tiers: tuple[int, ...] = TIERS
+    threshold: float | None = None
     info: dict = field(default_factory=dict)
 
     def probabilities(self, features) -> torch.Tensor:
@@ -89,8 +93,14 @@ class ComplexityRouter:
         return logits.softmax(-1)
 
     def tier(self, features) -> int:
-        """The number of samples for one feature row."""
-        return self.tiers[int(self.probabilities(features)[0].argmax())]
+        """The number of votes for one feature row."""
+        probabilities = self.probabilities(features)[0]
+        if self.threshold is not None and 1 in self.tiers:
+            one = self.tiers.index(1)
+            if probabilities[one] >= self.threshold:
+                return 1
+            probabilities[one] = -1.0
+        return self.tiers[int(probabilities.argmax())]
 
     def save(self, path) -> Path:
         path = Path(path)
@@ -114,11 +124,12 @@ class ComplexityRouter:
 
 
 def train_router(features, tiers, *, seed: int = 0, l2: float = 1e-3, steps: int = 200,
-                 balanced: bool = False, info: dict | None = None) -> ComplexityRouter:
+                 balanced: bool = False, threshold: float | None = None,
+                 info: dict | None = None) -> ComplexityRouter:
     """Fit the router to feature rows and their label tiers (1, 3 or 7): multinomial logistic
     regression with an L2 penalty (classes weighted by inverse frequency when `balanced`: more
     votes on the rare tiers, less accuracy), full-batch L-BFGS in float64 from a seeded random
-    start. The same inputs and seed give the same router."""
+    start. The same inputs and seed give the same router; `threshold`: see `ComplexityRouter`."""
     x = torch.as_tensor(features, dtype=torch.float64)
     if x.ndim != 2 or x.shape[1] != len(FEATURES) or x.shape[0] != len(tiers) or not len(tiers):
         raise UserError(f"router training needs [n, {len(FEATURES)}] features and n tiers; "
@@ -146,14 +157,23 @@ def train_router(features, tiers, *, seed: int = 0, l2: float = 1e-3, steps: int
         return value
     optimizer.step(loss)
     return ComplexityRouter(mean.tolist(), std.tolist(), weights.detach().tolist(),
-                            bias.detach().tolist(),
+                            bias.detach().tolist(), threshold=threshold,
                             info={"seed": seed, "l2": l2, "balanced": balanced, **(info or {})})
 
 
-def label_tier(greedy: str | None, vote3: str | None, vote7: str | None) -> int:
-    """A training label: 1 when the 7-sample vote gives the greedy answer, 3 when the first 3
-    samples' vote already gives the 7-sample answer, else 7."""
-    return 1 if vote7 == greedy else 3 if vote3 == vote7 else 7
+def vote_of(greedy: str | None, samples: list[str | None], tier: int) -> str | None:
+    """The answer of a `tier`-vote over normalised answers: the greedy answer first (ties go to
+    it), then the first `tier - 1` samples, as `consistency="auto"` counts them."""
+    from .consistency import tally
+
+    clusters = tally([greedy, *samples[:tier - 1]])
+    return clusters[0].answer if clusters else None
+
+
+def label_tier(greedy: str | None, samples: list[str | None], answer: str | None) -> int:
+    """A training label: the fewest votes (`vote_of`) whose answer is `answer`; 1 when the
+    greedy answer is right or no vote is (voting cannot help)."""
+    return next((tier for tier in TIERS if vote_of(greedy, samples, tier) == answer), 1)
 
 
 def find_router(compiled, path=None) -> ComplexityRouter:

@@ -419,27 +419,79 @@ def fixed_router(tier: int, sha256: str | None = None):
 
 
 def test_auto_runs_the_tier_the_router_picks(llama, monkeypatch, tmp_path):
-    """Tier 1: the greedy answer (one prefill). Tier 3: the greedy row is cancelled after its
-    prefill and 3 samples reuse its prompt K/V; they are `sample_and_vote`'s 3 samples. The
-    shipped router is found by the checkpoint's sha256."""
+    """Tier 1: the greedy answer (one prefill). Tier 3: the greedy row goes on as the vote's
+    first member and 2 samples reuse its prompt K/V; they are `sample_and_vote`'s first 2
+    samples. The shipped router is found by the checkpoint's sha256."""
     import rbcompile.consistency_router as routers
 
     prompt = torch.tensor([LONG_PROMPT])
     greedy = llama.generate(prompt, max_new_tokens=6, do_sample=True, seed=5, consistency="auto",
                             vote=VoteOptions(extract=FIRST_WORD.extract, router=fixed_router(1)))
+    greedy_tokens = llama.generate(prompt, max_new_tokens=6).tokens[0]
     assert greedy.stats.tier == 1 and greedy.stats.prefills == 1
-    assert greedy.samples[0].tokens == llama.generate(prompt, max_new_tokens=6).tokens[0]
+    assert greedy.samples[0].tokens == greedy_tokens
     fixed_router(3, llama.manifest["source"]["sha256"]).save(tmp_path / "consistency-router-x.json")
     monkeypatch.setattr(routers, "SHIPPED", tmp_path)
     voted = llama.generate(prompt, max_new_tokens=6, do_sample=True, seed=5, consistency="auto",
                            vote=FIRST_WORD)
     three = sample_and_vote(llama, LONG_PROMPT, 3, max_new_tokens=6, sampling=SAMPLED,
                             options=FIRST_WORD)
-    assert voted.stats.tier == 3 and voted.stats.prefills == 2
-    assert [s.tokens for s in voted.samples] == [s.tokens for s in three.samples]
-    assert voted.votes == three.votes   # the answer too, but for ties (order of arrival)
-    assert voted.votes[voted.answer] == max(three.votes.values())
-    assert voted.stats.new_tokens == three.stats.new_tokens + 2   # the greedy row's 2 tokens
+    assert voted.stats.tier == 3 and voted.stats.prefills == 2 and voted.stats.drawn == 3
+    assert [s.tokens for s in voted.samples] == [greedy_tokens] + [s.tokens
+                                                                   for s in three.samples[:2]]
+    assert [s.seed for s in voted.samples] == [None, 5, 6]
+    assert voted.vote.answers[0] == voted.samples[0].answer   # the greedy answer is counted first
+    assert voted.stats.new_tokens == sum(len(s.tokens) for s in voted.samples)
+
+
+def test_the_greedy_lead_wins_ties_and_waves_count_it(llama):
+    """A routed vote counts the greedy row first even when samples finish before it (so a tie
+    goes to the greedy answer); with waves, tier 7 of agreeing answers draws the greedy row and
+    3 samples only."""
+    from rbcompile.consistency import RoutedGroup, SampleGroup
+    from rbcompile.prefix_cache import PrefixCache
+
+    def routed(tier, options, sampling=SAMPLED):
+        engine = llama.batch_engine(max_batch=8, prefix_cache=PrefixCache(block_tokens=4))
+        group = RoutedGroup(engine, LONG_PROMPT, fixed_router(tier), max_new_tokens=6,
+                            sampling=sampling, stop=None, options=options)
+        while engine.has_work:
+            engine.step()
+        return group, group.group
+
+    engine = llama.batch_engine(max_batch=4)
+    lead = engine.submit(EngineRequest(LONG_PROMPT, 6))
+    engine.step()   # its prefill; the 2-token samples drawn now finish before its 6 tokens
+    votes = SampleGroup(engine, LONG_PROMPT, 3, max_new_tokens=2, sampling=SAMPLED,
+                        options=VoteOptions(extract=lambda text: text, early_stop="off"), lead=lead)
+    while engine.has_work:
+        engine.step()
+    assert votes.voted[0] is votes.requests[0] is lead and len(lead.tokens) == 6
+    assert set(votes.voted) == set(votes.requests) and votes.drawn == 3
+    texts = [votes.texts[request] for request in votes.voted]
+    assert votes.voter.vote().answers == [votes.voter.answer(text) for text in texts]
+    if len(set(texts)) == 3:
+        assert votes.voter.vote().answer == votes.voter.answer(texts[0])
+    group, votes = routed(7, VoteOptions(extract=lambda text: "same", draw="waves"))
+    assert votes.drawn == 4 and len(votes.voted) == 4 and votes.voter.vote().votes == {"same": 4}
+    assert group.new_tokens == sum(len(request.tokens) for request in votes.requests[:4])
+
+
+def test_labels_and_the_threshold():
+    """A label is the fewest votes (greedy first, ties to it) whose answer is right; the
+    threshold sends a question to a vote when tier 1 is not likely enough."""
+    from rbcompile.consistency_router import label_tier, vote_of
+
+    assert vote_of("a", ["b", "c"], 3) == "a" and vote_of("a", ["b", "b"], 3) == "b"
+    assert vote_of("a", ["b", "b", "c", "c", "b", "a"], 1) == "a"
+    assert label_tier("a", ["b"] * 6, "a") == 1 and label_tier("a", ["b"] * 6, "b") == 3
+    assert label_tier("a", ["b", "c", "b", "b", "c", "b"], "b") == 7
+    assert label_tier("a", ["b"] * 6, "z") == 1   # no vote is right: voting cannot help
+    router = fixed_router(1)
+    router.bias = [1.0, 0.0, 0.5]   # P(1) = 0.51
+    assert router.tier([0.0] * len(router.features)) == 1
+    router.threshold = 0.6
+    assert router.tier([0.0] * len(router.features)) == 7
 
 
 def test_routed_prompts_prefilled_together_are_routed_on_their_own_logits(llama):
