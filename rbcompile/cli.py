@@ -203,6 +203,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    "together, continuously batched (default 16; 1: one after another)")
     p.add_argument("--prefix-cache-mb", type=float, default=256, help="decoders: MiB of prompt-"
                    "prefix K/V blocks kept for reuse across requests (default 256; 0: off)")
+    p.add_argument("--result-cache-mb", type=float, default=256, help="encoders: MiB of embeddings "
+                   "kept for exact repeats (default 256; 0: off)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="decoders: prompts longer "
                    "than this are prefilled in chunks of it, one per decode step, so a long "
                    "prompt does not hold up the running streams (default 512; 0: never chunk)")
@@ -555,8 +557,9 @@ def _cmd_serve(args) -> None:
         raise UserError(f"--port must be in 0-65535, got {args.port}")
     if args.max_body_bytes < 1 or args.max_tokens_limit < 1 or args.max_batch < 1:
         raise UserError("--max-body-bytes, --max-tokens-limit and --max-batch must be >= 1")
-    if not args.prefix_cache_mb >= 0:
-        raise UserError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    for option in ("prefix_cache_mb", "result_cache_mb"):
+        if not getattr(args, option) >= 0:
+            raise UserError(f"--{option.replace('_', '-')} must be >= 0, got {getattr(args, option)}")
     if args.prefill_chunk < 0:
         raise UserError(f"--prefill-chunk must be >= 0 (0: never chunk), got {args.prefill_chunk}")
     if args.ray:
@@ -574,7 +577,7 @@ def _cmd_serve(args) -> None:
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
     app = create_app(model, api_key=api_key, limits=limits, max_batch=args.max_batch,
                      prefix_cache_mb=args.prefix_cache_mb, prefill_chunk=args.prefill_chunk or None,
-                     policy=policy, slo_s=args.slo_ms / 1000)
+                     result_cache_mb=args.result_cache_mb, policy=policy, slo_s=args.slo_ms / 1000)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     _serve_until_signalled(partial(uvicorn.run, app, host=args.host, port=args.port, log_level="info"))

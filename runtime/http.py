@@ -38,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -47,6 +48,7 @@ from rbcompile.generation import SPECULATE_MODES
 from rbcompile.prefix_cache import PrefixCache
 from rbcompile.runtime.admission import QOS_CLASSES, Overloaded, Watermarks, admit
 from rbcompile.runtime.decode_control import DecodeController
+from rbcompile.runtime.result_cache import ResultCache, fingerprint
 from rbcompile.sampling import SamplingConfig
 from rbcompile.quality import mean_pool
 
@@ -190,6 +192,15 @@ class Metrics:
                                "admission: 0 none, 1 shrink (60%), 2 protect (80%), 3 shed (95%)", registry=r)
         self.budget = Gauge("rbcompile_decode_budget", "Budget (skipped MLP share) the controller "
                             "sets for completions without their own", registry=r)
+        self.result_hit_rate = Gauge("rbcompile_result_cache_hit_rate", "Share of embedding inputs "
+                                     "answered from the result cache (exact repeats)", registry=r)
+        self.result_bytes = Gauge("rbcompile_result_cache_bytes", "Bytes the result cache holds", registry=r)
+        self.drafter = Counter("rbcompile_completions_by_drafter", "Completions by the speculation "
+                               "they asked for", ["drafter"], registry=r)
+        self.tier = Counter("rbcompile_consistency_tier", "Voted completions by samples tier (1, 3, "
+                            "7; under auto, the router's choice)", ["tier"], registry=r)
+        self.steps = DrafterSteps()
+        r.register(self.steps)
         self.engine = None
 
     def record_generation(self, tokens: int, seconds: float, drafted: int = 0, accepted: int = 0) -> None:
@@ -208,13 +219,46 @@ class Metrics:
 
     def watch(self, engine) -> None:
         """Batch and queue gauges read from `engine` at each scrape."""
-        self.engine = engine
+        self.engine = self.steps.engine = engine
         self.batch_rows.set_function(lambda: len(engine.running))
         self.budget.set_function(lambda: engine.budget or 0.0)
         self.queued.set_function(lambda: engine.queued)
         if engine.prefix_cache is not None:
             self.prefix_hit_rate.set_function(lambda: engine.prefix_cache.stats.hit_rate)
             self.prefix_bytes.set_function(lambda: engine.prefix_cache.nbytes)
+
+    def watch_results(self, cache: ResultCache) -> None:
+        def hit_rate() -> float:
+            stats = cache.stats
+            looked_up = stats["hits"] + stats["misses"]
+            return stats["hits"] / looked_up if looked_up else 0.0
+        self.result_hit_rate.set_function(hit_rate)
+        self.result_bytes.set_function(lambda: cache.nbytes)
+
+
+class DrafterSteps:
+    """A Prometheus collector: decode steps by the drafter that ran them, from the engine's
+    batch steps (n-gram when any row verified drafts, else off) and speculative `generate`'s
+    steps (`add`; under 'auto', the modes it chose)."""
+
+    def __init__(self):
+        self.engine, self.generated = None, {}
+
+    def add(self, steps_by_mode: dict[str, int]) -> None:
+        for mode, count in steps_by_mode.items():
+            self.generated[mode] = self.generated.get(mode, 0) + count
+
+    def collect(self):
+        counts = dict(self.generated)
+        if self.engine is not None:
+            stats = self.engine.stats
+            counts["off"] = counts.get("off", 0) + stats.decode_steps - stats.speculative_steps
+            counts["ngram"] = counts.get("ngram", 0) + stats.speculative_steps
+        family = CounterMetricFamily("rbcompile_decode_steps_by_drafter", "Decode steps by the "
+                                     "drafter that ran them (auto: the modes it chose)", labels=["drafter"])
+        for mode, count in sorted(counts.items()):
+            family.add_metric([mode], count)
+        yield family
 
 
 class Gatekeeper:
@@ -456,20 +500,25 @@ COMPLETION, CHAT = CompletionFormat(), ChatFormat()
 
 def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits(),
                max_batch: int = 16, prefix_cache_mb: float = 256, prefill_chunk: int | None = 512,
-               watermarks: Watermarks = Watermarks(), memory: Callable[[], float] | None = None,
-               policy=None, slo_s: float = 0.1) -> FastAPI:
+               result_cache_mb: float = 256, watermarks: Watermarks = Watermarks(),
+               memory: Callable[[], float] | None = None, policy=None, slo_s: float = 0.1) -> FastAPI:
     """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer). With `api_key`,
     every path but /health needs `Authorization: Bearer <api_key>`. Decoders' completions are
     continuously batched, at most `max_batch` rows at a time (1: one after another), with a
     prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none), prompts longer than
     `prefill_chunk` tokens prefilled in chunks of it between decode steps (None: whole).
-    Completions are admitted
-    by QoS class under the memory `watermarks` (`memory()`: the system memory fraction in use,
-    psutil's by default): from 60% the prefix cache halves, from 80% the batch class gets 503,
-    from 95% every new completion does, with Retry-After; admitted ones always finish. With a
-    `policy` (runtime/policy.py), a DecodeController sets the budget of completions that bring
-    none, holding the decode-step latency at `slo_s`."""
+    Encoders' embeddings of exact repeats come from a result cache of `result_cache_mb` MiB (0:
+    none). Completions are admitted by QoS class under the memory `watermarks` (`memory()`: the
+    system memory fraction in use, psutil's by default): from 60% the prefix and result caches
+    halve, from 80% the batch class gets 503, from 95% every new completion does, with
+    Retry-After; admitted ones always finish. With a `policy` (runtime/policy.py), a
+    DecodeController sets the budget of completions that bring none, holding the decode-step
+    latency at `slo_s`."""
     metrics, worker = Metrics(), ModelWorker()
+    results = ResultCache(int(result_cache_mb * (1 << 20))) \
+        if compiled.family != "decoder" and result_cache_mb > 0 else None
+    if results is not None:
+        metrics.watch_results(results)
     if compiled.family == "decoder":
         prefix_cache = PrefixCache(capacity_bytes=int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb > 0 else None
         worker.engine = compiled.batch_engine(max_batch, wake=worker.wake, prefix_cache=prefix_cache,
@@ -482,13 +531,13 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
         worker.close()  # uvicorn has waited for the open requests: nothing is left running
 
     app = FastAPI(title="rbcompile", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.engine = worker.engine
+    app.state.engine, app.state.results = worker.engine, results
     if memory is None:
         from rbcompile.runtime.monitors import ResourceMonitor
         memory = ResourceMonitor().memory_fraction
     if policy is not None and worker.engine is not None:
         DecodeController(worker.engine, policy, slo_s, memory)
-    service = _Service(compiled, limits, metrics, worker, watermarks, memory)
+    service = _Service(compiled, limits, metrics, worker, watermarks, memory, results)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -571,9 +620,10 @@ class _Service:
     """The endpoints' work on one compiled model."""
 
     def __init__(self, compiled, limits: ServeLimits, metrics: Metrics, worker: ModelWorker,
-                 watermarks: Watermarks, memory: Callable[[], float]):
+                 watermarks: Watermarks, memory: Callable[[], float], results: ResultCache | None):
         self.compiled, self.limits, self.metrics, self.worker = compiled, limits, metrics, worker
-        self.watermarks, self.memory = watermarks, memory
+        self.watermarks, self.memory, self.results = watermarks, memory, results
+        self.fingerprint = fingerprint(compiled)
         self.name = compiled.manifest["source"]["name"]
         self.created = int(time.time())
         self.tokenizer = compiled.tokenizer
@@ -657,6 +707,7 @@ class _Service:
                   "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.name}
         await self._admit(body.rbcompile.qos)
+        self.metrics.drafter.labels(body.rbcompile.speculate).inc()
         if body.rbcompile.consistency is not None:
             return await self._voted(body, batch, stop, max_tokens, header, fmt, prompt_tokens)
         if body.rbcompile.speculate in ("off", "ngram"):
@@ -676,17 +727,28 @@ class _Service:
                             for index, row in enumerate(tokens)],
                 "usage": _usage(prompt_tokens, sum(len(row) for row in tokens))}
 
-    async def _admit(self, qos: str) -> None:
-        """Refuse a completion with 503 when the watermarks or the queue say so; from the
-        shrink watermark on, the prefix cache holds half its capacity (set on the model
-        thread, its owner)."""
+    async def _relieve_memory(self) -> float:
+        """The memory fraction in use now; from the shrink watermark on, the prefix cache (set on
+        the model thread, its owner) and the result cache hold half their capacity."""
         memory, engine = self.memory(), self.worker.engine
         self.metrics.watermark.set(self.watermarks.level(memory))
-        cache = engine.prefix_cache
+        pressed = memory >= self.watermarks.shrink
+        cache = engine.prefix_cache if engine is not None else None
         if cache is not None:
-            limit = cache.capacity_bytes // 2 if memory >= self.watermarks.shrink else None
+            limit = cache.capacity_bytes // 2 if pressed else None
             if cache.limit_bytes != limit:
                 await self.worker.call(cache.set_limit, limit)
+        if self.results is not None:
+            if pressed:
+                self.results.limit(self.results.max_bytes // 2)
+            else:
+                self.results.restore()
+        return memory
+
+    async def _admit(self, qos: str) -> None:
+        """Refuse a completion with 503 when the watermarks or the queue say so (and relieve
+        memory, see `_relieve_memory`)."""
+        memory, engine = await self._relieve_memory(), self.worker.engine
         try:
             admit(qos, memory, engine.queued, self.watermarks, self.limits.max_queue)
         except Overloaded as exc:
@@ -724,7 +786,7 @@ class _Service:
                 engine.cancel(request)
             raise
         return _TokenRun(self._engine_events(requests, queue), lambda: (
-            sum(r.drafted for r in requests), sum(r.accepted for r in requests)))
+            sum(r.drafted for r in requests), sum(r.accepted for r in requests), {}))
 
     async def _engine_events(self, requests: list[EngineRequest], queue: asyncio.Queue):
         """(choice, token) as the engine emits them; stopping early (a client gone) cancels
@@ -762,6 +824,7 @@ class _Service:
             temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
             seed=body.seed, stop=stop or None, budget=body.rbcompile.budget,
             speculate=body.rbcompile.speculate, consistency=body.rbcompile.consistency, vote=vote)
+        self.metrics.tier.labels(str(result.stats.tier or body.rbcompile.consistency)).inc()
         winner = next((sample for sample in result.samples
                        if sample.voted and sample.text == result.text), None)
         reason = "length" if winner is not None and winner.finish_reason == "length" else "stop"
@@ -783,8 +846,10 @@ class _Service:
             temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
             seed=body.seed, stop=stop or None, budget=body.rbcompile.budget,
             speculate=body.rbcompile.speculate, stream=True)   # checks, before the 200
-        return _TokenRun(self.worker.iterate(events), lambda: (
-            events.result().stats.drafted, events.result().stats.accepted))
+        def counts():
+            stats = events.result().stats
+            return stats.drafted, stats.accepted, stats.steps_by_mode
+        return _TokenRun(self.worker.iterate(events), counts)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -832,16 +897,32 @@ class _Service:
     # ---- embeddings --------------------------------------------------------------------------
 
     async def embed(self, body: EmbeddingRequest):
+        """Mean-pooled, L2-normalised embeddings; inputs whose tokens (under the same artifact
+        and budget) were embedded before come from the result cache, the others are computed
+        together and cached."""
         self._check_model(body.model, "encoder", "/v1/embeddings", "/v1/completions")
+        await self._relieve_memory()
         texts = [body.input] if isinstance(body.input, str) else body.input
         batch = self._encode(texts, "input")
-        out = await self.worker.call(self.compiled, batch["input_ids"], batch["attention_mask"],
-                                     budget=body.rbcompile.budget)
-        pooled = mean_pool(out["last_hidden_state"].float().cpu(), batch["attention_mask"])
+        plan = f"budget={body.rbcompile.budget or 0:.4f}"
+        keys = [ResultCache.key(self.fingerprint, plan, ids[mask.bool()])
+                for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+        hits = [self.results.get(key) if self.results is not None else None for key in keys]
+        missing = [i for i, hit in enumerate(hits) if hit is None]
+        if missing:
+            rows = batch if len(missing) == len(texts) else self._encode([texts[i] for i in missing], "input")
+            out = await self.worker.call(self.compiled, rows["input_ids"], rows["attention_mask"],
+                                         budget=body.rbcompile.budget)
+            pooled = mean_pool(out["last_hidden_state"].float().cpu(), rows["attention_mask"])
+            for i, row in zip(missing, pooled):
+                hits[i] = {"embedding": row}
+                if self.results is not None:
+                    self.results.put(keys[i], hits[i])
         tokens = int(batch["attention_mask"].sum())
         return {"object": "list", "model": self.name,
-                "data": [{"object": "embedding", "index": i, "embedding": _encoded(row, body.encoding_format)}
-                         for i, row in enumerate(pooled)],
+                "data": [{"object": "embedding", "index": i,
+                          "embedding": _encoded(hit["embedding"], body.encoding_format)}
+                         for i, hit in enumerate(hits)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
@@ -849,10 +930,11 @@ class _Service:
 
 class _TokenRun:
     """A generation's (choice, token) events, and its counters for the metrics once they end
-    (`drafts()`: draft tokens verified and accepted)."""
+    (`counts()`: draft tokens verified and accepted, and `generate`'s decode steps by mode;
+    the engine's steps are read from the engine itself)."""
 
-    def __init__(self, events, drafts: Callable[[], tuple[int, int]]):
-        self.drafts, self.started, self.tokens = drafts, time.perf_counter(), 0
+    def __init__(self, events, counts: Callable[[], tuple[int, int, dict]]):
+        self.counts, self.started, self.tokens = counts, time.perf_counter(), 0
         self.events = self._counted(events)
 
     async def _counted(self, events):
@@ -861,7 +943,9 @@ class _TokenRun:
             yield event
 
     def record(self, metrics: Metrics) -> None:
-        metrics.record_generation(self.tokens, time.perf_counter() - self.started, *self.drafts())
+        drafted, accepted, steps_by_mode = self.counts()
+        metrics.record_generation(self.tokens, time.perf_counter() - self.started, drafted, accepted)
+        metrics.steps.add(steps_by_mode)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -315,6 +315,7 @@ def serve_on_ray(args, api_key: str | None) -> None:
                                 f"Ray has {cpus:g} (lower --replica-cpus, e.g. 0.5)")
         options = {"api_key": api_key, "max_batch": args.max_batch,
                    "prefix_cache_mb": args.prefix_cache_mb, "prefill_chunk": args.prefill_chunk or None,
+                   "result_cache_mb": args.result_cache_mb,
                    "slo_s": args.slo_ms / 1000,
                    "limits": {"max_body_bytes": args.max_body_bytes,
                               "max_tokens_limit": args.max_tokens_limit}}

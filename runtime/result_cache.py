@@ -8,6 +8,7 @@ and `get` answers None, so the caller recomputes and corrupted data is never ser
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -50,6 +51,15 @@ class _Entry:
     outputs: dict[str, torch.Tensor]
     checksum: bytes
     nbytes: int
+
+
+def fingerprint(compiled) -> str:
+    """What a cached result of `compiled` depends on: the sha256 of the artifact's files (graph
+    and weights), else of its source checkpoint."""
+    listed = compiled.manifest.get("files", {}).get("sha256")
+    if listed:
+        return hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()
+    return compiled.manifest["source"]["sha256"]
 
 
 class ResultCache:
@@ -119,6 +129,13 @@ class ResultCache:
             raise ValueError(f"keep_fraction must be in [0, 1], got {keep_fraction!r}")
         with self._lock:
             self.budget = int(keep_fraction * self._nbytes)
+            return self._evict_to(self.budget)
+
+    def limit(self, limit_bytes: int) -> int:
+        """Lower the working budget to `limit_bytes` (until `restore`), evicting LRU entries
+        down to it. Returns the number of entries evicted."""
+        with self._lock:
+            self.budget = min(self.max_bytes, limit_bytes)
             return self._evict_to(self.budget)
 
     def restore(self) -> None:

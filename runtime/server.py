@@ -19,10 +19,8 @@ Bad requests (empty text, over-long input, unknown QoS class, bad budget) fail a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import heapq
 import itertools
-import json
 import logging
 import math
 import threading
@@ -39,7 +37,7 @@ from .executor import RowResult, TieredExecutor, confidence_of, pad_batch, plan_
 from .monitors import DEFAULT_PERIOD_S, LatencyTracker, MonitorSampler, QualityMonitor, ResourceMonitor
 from ..plans import check_budget
 from .policy import BasePolicy, Decision, PolicyState
-from .result_cache import ResultCache
+from .result_cache import ResultCache, fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +120,7 @@ class AdaptiveServer:
         self.resources = ResourceMonitor(queue_depth=lambda: len(self._queue), latency=self.latency,
                                          memory_override=memory_override)
         self.sampler = MonitorSampler(self.resources, self.quality, self.config.monitor_period_s)
-        # result-cache identity: the artifact's files (graph and weights), else its source
-        listed = compiled.manifest.get("files", {}).get("sha256")
-        self.fingerprint = (hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()
-                            if listed else compiled.manifest["source"]["sha256"])
+        self.fingerprint = fingerprint(compiled)
         self.max_tokens = min(self.config.max_tokens or compiled.max_positions, compiled.max_positions)
         self.counters = {"admitted": 0, "rejected": 0, "shed": 0, "completed": 0, "failed": 0,
                          "cache_hits": 0, "fallback_steps": 0, "batches": 0, "shrinks": 0,

@@ -281,6 +281,40 @@ def test_embeddings_are_unit_mean_pooled(encoder_client, bert):
     assert np.allclose(decoded, vectors[0].numpy(), atol=1e-6)
 
 
+
+def test_repeated_embedding_inputs_come_from_the_result_cache(bert):
+    """Inputs embedded before (same tokens, same budget) are answered from the result cache
+    with the vectors computed then; a batch mixing them with new ones computes only the new
+    (one forward of 1 row); another budget misses; /metrics shows the hit rate; under memory
+    pressure the cache holds half its capacity; --result-cache-mb 0 turns it off."""
+    level = {"memory": 0.1}
+    client = TestClient(create_app(bert, memory=lambda: level["memory"], result_cache_mb=1))
+    texts = ["the a of", "he she was in the"]
+    first = client.post("/v1/embeddings", json={"input": texts}).json()["data"]
+    calls = []
+    original = type(bert).__call__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(bert), "__call__", lambda self, ids, *a, **k: calls.append(tuple(ids.shape))
+                      or original(self, ids, *a, **k))
+        again = client.post("/v1/embeddings", json={"input": texts}).json()["data"]
+        mixed = client.post("/v1/embeddings", json={"input": [texts[1], "she was"]}).json()["data"]
+        client.post("/v1/embeddings", json={"input": texts[0], "rbcompile": {"budget": 0.5}})
+    assert again == first and mixed[0]["embedding"] == first[1]["embedding"]
+    assert calls == [(1, 2), (1, 3)]     # "she was" (2 tokens), then texts[0] at budget 0.5
+    fresh = TestClient(create_app(bert, result_cache_mb=0)).post(
+        "/v1/embeddings", json={"input": ["she was"]}).json()["data"][0]["embedding"]
+    assert np.allclose(mixed[1]["embedding"], fresh, atol=1e-6)
+    metrics = client.get("/metrics").text
+    rate = next(line for line in metrics.splitlines() if line.startswith("rbcompile_result_cache_hit_rate "))
+    assert float(rate.split()[-1]) == pytest.approx(3 / 7)        # 3 hits of 7 lookups
+    level["memory"] = 0.7
+    client.post("/v1/embeddings", json={"input": "of"})
+    results = client.app.state.results
+    assert results.budget == results.max_bytes // 2 and results.nbytes <= results.budget
+    level["memory"] = 0.1
+    client.post("/v1/embeddings", json={"input": "of"})
+    assert results.budget == results.max_bytes
+
 def test_models_health_metrics(decoder_client, llama):
     models = decoder_client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [llama.manifest["source"]["name"]]
@@ -394,6 +428,8 @@ def test_cli_refuses_an_open_host_without_a_key(tmp_path, capsys, monkeypatch):
     assert main(["serve", str(tmp_path), "--max-tokens-limit", "0"]) == 2
     assert main(["serve", str(tmp_path), "--prefill-chunk", "-1"]) == 2
     assert "--prefill-chunk must be >= 0 (0: never chunk), got -1" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--result-cache-mb", "-1"]) == 2
+    assert "--result-cache-mb must be >= 0, got -1.0" in capsys.readouterr().err
 
 
 def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
@@ -437,6 +473,8 @@ def test_concurrent_completions_share_batch_steps_and_keep_their_tokens(llama):
     assert stats.prefills == len(prompts) and stats.decode_rows > stats.decode_steps
     assert stats.speculative_steps > 0 and stats.drafted > 0
     assert f"rbcompile_speculative_drafted_tokens_total {float(stats.drafted)}" in metrics
+    assert 'rbcompile_completions_by_drafter_total{drafter="ngram"} 3.0' in metrics
+    assert f'rbcompile_decode_steps_by_drafter_total{{drafter="ngram"}} {float(stats.speculative_steps)}' in metrics
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(llama):
@@ -635,6 +673,7 @@ def test_consistency_field_answers_with_the_voted_sample(decoder_client, llama):
     ids = torch.tensor([llama.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
                                                             return_dict=False)])
     assert chat["choices"][0]["message"]["content"] == llama.generate(ids, **options).text
+    assert 'rbcompile_consistency_tier_total{tier="3"}' in decoder_client.get("/metrics").text
 
 
 @pytest.mark.parametrize("extension, extra, message, param", [
