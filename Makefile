@@ -83,7 +83,7 @@ tidal: $(MINILM_MR) $(SMOLLM2_CALIB)
 	$(PY) benchmarks/bench_tidal.py --model build/minilm-mr --workload $(MR)/test.jsonl $(MR)/reviews.jsonl \
 		--ppo build/minilm-mr-policy --slo-ms $(MINILM_SLO_MS)
 	$(VENV)/bin/rbcompile train-policy build/smollm2-calib --workload rbcompile/data/eval-tempest.txt \
-		--slo-ms $(SMOLLM2_SLO_MS) -o build/smollm2-policy
+		--simulator requests --slo-ms $(SMOLLM2_SLO_MS) -o build/smollm2-policy
 	$(PY) benchmarks/bench_tidal.py --model build/smollm2-calib --ppo build/smollm2-policy \
 		--slo-ms $(SMOLLM2_SLO_MS) $(if $(SMOLLM2_TRAFFIC),--workload $(SMOLLM2_TRAFFIC))
 

@@ -10,8 +10,11 @@ a streamed greedy completion of a continuation prompt (--new-tokens), its QoS cl
 30% interactive / 50% standard / 20% batch. Every contender replays the same trace on a fresh
 server (continuous batching, serve's defaults otherwise):
   static-full   --policy static (budget 0: the full path for everything)
-  pid           --policy pid --slo-ms (default 1.5x the decode-step p50 measured at capacity)
-  ppo           --policy ppo --policy-file DIR (only with --ppo DIR, from `rbcompile train-policy`)
+  pid           --policy pid --slo-ms (default: the PPO policy's per-step SLO with --ppo, else
+                1.5x the decode-step p50 measured at capacity)
+  ppo           --policy ppo --policy-file DIR --slo-ms (the per-step SLO it was trained for,
+                from its policy.json: serve normalises the latencies the policy sees by it);
+                only with --ppo DIR, from `rbcompile train-policy` on a decoder
 Reported per contender: requests sent, served, shed (HTTP 503, the watermarks or the queue),
 lost (anything else: an error, or a stream that did not finish), throughput (served requests /
 s over the day), end-to-end latency p50 / p99, TTFT p99, decode-step latency p99 (chunk gaps),
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import random
 import statistics
@@ -63,6 +67,15 @@ def day_trace(day_s: float, peak: float, seed: int) -> list[tuple[float, str]]:
             return trace
         if rng.random() < rate_at(t, day_s, peak) / peak:
             trace.append((t, rng.choices(QOS_CLASSES, QOS_SHARES)[0]))
+
+
+def policy_slo_ms(folder: str) -> float:
+    """The per-step SLO a `train-policy` folder was trained for (its policy.json)."""
+    meta = json.loads((Path(folder) / "policy.json").read_text())
+    if meta.get("simulator") != "decode-step":
+        sys.exit(f"{folder}: not trained in the decode-step simulator (train-policy on a "
+                 "decoder, --simulator decode-step)")
+    return 1e3 * meta["state"]["slo_s"]
 
 
 def gaps(records: list[dict]) -> list[float]:
@@ -149,8 +162,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--capacity-streams", type=int, default=8)
     parser.add_argument("--capacity-s", type=float, default=20.0)
-    parser.add_argument("--slo-ms", type=float, help="pid's decode-step objective (default "
-                        "1.5x the step p50 measured at capacity)")
+    parser.add_argument("--slo-ms", type=float, help="pid's decode-step objective (default: "
+                        "the --ppo policy's, else 1.5x the step p50 measured at capacity)")
     parser.add_argument("--ppo", metavar="DIR", help="add the ppo contender with this policy")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -160,6 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.day_s, args.capacity_s, args.new_tokens, args.capacity_streams = 10.0, 4.0, 8, 2
+    ppo_slo_ms = policy_slo_ms(args.ppo) if args.ppo else None   # before minutes of work
     pin_threads(args.threads)
     say(f"load average at start: {_uptime()}")
     compiled = rbcompile.load(args.artifact)
@@ -185,15 +199,17 @@ def main() -> None:
               f"{args.capacity_s:.0f} s closed loop)"), serve("capacity", []) as base:
         full_rps, step_p50 = asyncio.run(measure_capacity(base))
     peak = args.peak_load * full_rps
-    slo_ms = args.slo_ms or 1.5e3 * step_p50
+    slo_ms = args.slo_ms or ppo_slo_ms or 1.5e3 * step_p50
     trace = day_trace(args.day_s, peak, args.seed)
     say(f"  capacity {full_rps:.2f} req/s, decode step p50 {1e3 * step_p50:.0f} ms; peak "
         f"{peak:.2f} req/s, night {peak / SWING:.2f}; {len(trace)} requests over "
-        f"{args.day_s:.0f} s; pid SLO {slo_ms:.0f} ms")
+        f"{args.day_s:.0f} s; pid SLO {slo_ms:.0f} ms"
+        + (f", ppo SLO {ppo_slo_ms:.0f} ms" if args.ppo else ""))
 
     contenders = {FULL: ["--policy", "static"], "pid": ["--policy", "pid", "--slo-ms", f"{slo_ms:.1f}"]}
     if args.ppo:
-        contenders["ppo"] = ["--policy", "ppo", "--policy-file", args.ppo]
+        contenders["ppo"] = ["--policy", "ppo", "--policy-file", args.ppo,
+                             "--slo-ms", f"{ppo_slo_ms:.1f}"]
 
     async def day(base):
         endpoint = Endpoint(*base)
@@ -233,7 +249,8 @@ def main() -> None:
           f"{'met' if lost == 0 else f'missed ({lost} lost)'}")
     say(f"load average at end: {_uptime()}")
     path = write_json("bench_serve_tidal", {"args": vars(args), "capacity_rps": full_rps, "step_p50_s": step_p50,
-                      "slo_ms": slo_ms, "peak_rps": peak, "trace": trace, "summary": rows,
+                      "slo_ms": slo_ms, "ppo_slo_ms": ppo_slo_ms, "peak_rps": peak, "trace": trace,
+                      "summary": rows,
                       "records": {name: records for name, (records, _) in results.items()},
                       "budgets": {name: budgets for name, (_, budgets) in results.items()}},
                       args.json)

@@ -184,6 +184,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ms", type=float, default=100.0, help="latency objective (default 100)")
     p.add_argument("--steps", type=int, default=20000, help="PPO decisions (default 20000)")
     p.add_argument("--max-batch", type=int, default=16, help="largest batch served (default 16)")
+    p.add_argument("--simulator", choices=("auto", "requests", "decode-step"), default="auto",
+                   help="the runtime trained for: requests (AdaptiveServer, whole requests), "
+                   "decode-step (rbcompile serve: continuous batching, --slo-ms per decode "
+                   "step); auto (default): decode-step for decoders, requests for encoders")
+    p.add_argument("--new-tokens", type=int, default=32, help="decode-step: tokens each "
+                   "simulated request generates (default 32)")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("serve", help="serve an artifact over HTTP, OpenAI-compatible: "
@@ -545,7 +551,8 @@ def _cmd_curve(args) -> None:
 def _cmd_train_policy(args) -> None:
     from .train_policy import train_policy
     train_policy(args.artifact, args.workload, args.output, classifier=args.classifier,
-                 slo_ms=args.slo_ms, steps=args.steps, max_batch=args.max_batch, seed=args.seed)
+                 slo_ms=args.slo_ms, steps=args.steps, max_batch=args.max_batch, seed=args.seed,
+                 new_tokens=args.new_tokens, simulator=args.simulator)
 
 
 def _cmd_serve(args) -> None:
@@ -612,7 +619,11 @@ def _serve_policy(args, model):
         most = max((plan["budget"] for plan in model.plans or []), default=1.0)
         return PIDPolicy(PIDConfig(setpoint=args.slo_ms / 1000, period_s=0.25), max_budget=most)
     from .runtime.ppo import PPOPolicy
-    return GuardedPolicy(PPOPolicy.load(args.policy_file), StaticPolicy(0.0))
+    policy = PPOPolicy.load(args.policy_file)
+    if policy.info.get("simulator") != "decode-step":
+        raise UserError(f"{args.policy_file}: trained for whole requests (AdaptiveServer); serve "
+                        "needs a policy from train-policy --simulator decode-step")
+    return GuardedPolicy(policy, StaticPolicy(0.0))
 
 
 def _serve_until_signalled(serve) -> None:

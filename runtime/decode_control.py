@@ -24,15 +24,19 @@ LATENCY_WINDOW_S = 5.0
 
 
 class DecodeController:
-    """Drives `engine.budget` with `policy`; `memory()` gives the system memory fraction."""
+    """Drives `engine.budget` with `policy`; `memory()` gives the system memory fraction,
+    `cpu()` the CPU utilisation (psutil's since the last call by default) and `clock()` the time
+    in seconds (the decode-step simulator, runtime/decode_simulator.py, passes its own)."""
 
     def __init__(self, engine, policy: BasePolicy, slo_s: float, memory: Callable[[], float],
-                 period_s: float = 0.25):
+                 period_s: float = 0.25, *, clock: Callable[[], float] = time.monotonic,
+                 cpu: Callable[[], float] | None = None):
         if not slo_s > 0 or period_s < 0:
             raise ValueError("slo_s must be > 0 and period_s >= 0")
         self.engine, self.policy, self.slo_s, self.memory = engine, policy, slo_s, memory
-        self.period_s = period_s
-        self.steps = LatencyTracker(latency_window_s=LATENCY_WINDOW_S)
+        self.period_s, self.clock = period_s, clock
+        self.cpu = cpu or (lambda: psutil.cpu_percent(None) / 100)
+        self.steps = LatencyTracker(latency_window_s=LATENCY_WINDOW_S, clock=clock)
         self.quality = QualityMonitor()
         self.decision = Decision()
         self.last_step_s = 0.0
@@ -50,7 +54,7 @@ class DecodeController:
         self.quality.record(confidences)
 
     def before_step(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if self._decided_at is not None and now - self._decided_at < self.period_s:
             return
         self._decided_at = now
@@ -68,6 +72,6 @@ class DecodeController:
             queue_depth=engine.queued, arrival_rate=latency["arrival_rate"],
             last_latency=self.last_step_s, latency_p50=finite(latency["p50"]),
             latency_p99=finite(latency["p99"]), confidence_mean=quality["mean"],
-            confidence_p10=quality["p10"], cpu_utilisation=psutil.cpu_percent(None) / 100,
+            confidence_p10=quality["p10"], cpu_utilisation=self.cpu(),
             previous_budget=self.decision.budget, slo_s=self.slo_s,
             max_length=engine.shape.max_positions)

@@ -6,9 +6,13 @@ setting, the quality drop against the full path (a fraction: 0.01 = 1 point; mea
 on easy and hard inputs) and a latency model fitted by least squares to measurements of that
 setting at a few batch sizes:
 
-    seconds(batch_size, tokens_per_request) = fixed_s + per_token_s * batch_size * tokens
+    seconds(batch_size, tokens_per_request) = fixed_s + per_row_s * batch_size
+                                              + per_token_s * batch_size * tokens
 
-(`tokens_per_request` is the padded length: the longest request of the batch).
+(`tokens_per_request` is the padded length: the longest request of the batch; `per_row_s` is 0
+for encoders). Decoder tables (runtime/decode_simulator.py) give one engine decode step there
+(tokens: the batch's context length), the prefill of newcomers in `prefill_seconds`, and the
+top-1 probabilities of the plan's tokens in `confidences`.
 
 Serving: requests arrive on a tidal trace (runtime/workload.py); each arrival is a fresh input
 with the length, complexity and hard flag of a workload input, except the trace's exact repeats
@@ -35,6 +39,8 @@ import itertools
 import math
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from ..plans import within_budget
 from .policy import FEATURES, BasePolicy, Decision, PolicyState
@@ -78,6 +84,28 @@ def fit_latency(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     return fixed, slope
 
 
+def fit_step_latency(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """(fixed_s, per_row_s, per_token_s) >= 0 of the least-squares fit seconds ~ fixed + per_row
+    * batch + per_token * batch * context through (batch size, context length, seconds) decode
+    steps: of the fits on each subset of the three terms whose coefficients are all >= 0, the
+    one with the least squared error."""
+    columns = {0: [1.0] * len(points), 1: [float(b) for b, _, _ in points],
+               2: [float(b * t) for b, t, _ in points]}
+    ys = np.array([s for _, _, s in points])
+    best, best_error = (float(ys.mean()), 0.0, 0.0), math.inf
+    for size in (1, 2, 3):
+        for terms in itertools.combinations(range(3), size):
+            x = np.array([columns[term] for term in terms]).T
+            coefficients = np.linalg.lstsq(x, ys, rcond=None)[0]
+            error = float(((x @ coefficients - ys) ** 2).sum())
+            if (coefficients >= 0).all() and error < best_error - 1e-15:
+                full = [0.0, 0.0, 0.0]
+                for term, value in zip(terms, coefficients):
+                    full[term] = float(value)
+                best, best_error = tuple(full), error
+    return best
+
+
 @dataclass(frozen=True)
 class Setting:
     """One (budget, width cap) of the artifact, as measured."""
@@ -89,9 +117,18 @@ class Setting:
     fixed_s: float
     per_token_s: float
     skipped_share: float = 0.0
+    per_row_s: float = 0.0
+    prefill_fixed_s: float = 0.0          # decoders: newcomers' prefill forward, fixed +
+    prefill_per_token_s: float = 0.0      # per padded prompt token
+    confidences: tuple[float, ...] = ()   # decoders: quantiles of the top-1 probability
 
     def seconds(self, batch_size: int, tokens_per_request: int) -> float:
-        return self.fixed_s + self.per_token_s * batch_size * tokens_per_request
+        return (self.fixed_s + self.per_row_s * batch_size
+                + self.per_token_s * batch_size * tokens_per_request)
+
+    def prefill_seconds(self, prompts: int, width: int) -> float:
+        """One forward prefilling `prompts` prompts left-padded to `width` tokens."""
+        return self.prefill_fixed_s + self.prefill_per_token_s * prompts * width
 
     def drop_for(self, hard: bool) -> float:
         return self.drop_hard if hard else self.drop_easy
@@ -139,7 +176,8 @@ class ServiceTable:
 
     def to_json(self) -> dict:
         return {"format": TABLE_FORMAT, "version": 1, "metric": self.metric,
-                "source": self.source, "latency_model": "fixed_s + per_token_s * batch * tokens",
+                "source": self.source,
+                "latency_model": "fixed_s + per_row_s * batch + per_token_s * batch * tokens",
                 "settings": [asdict(s) for s in self.settings]}
 
     @classmethod
@@ -147,7 +185,8 @@ class ServiceTable:
         if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT:
             raise ValueError(f"not an rbcompile service table (format {TABLE_FORMAT!r} expected)")
         try:
-            settings = [Setting(**s) for s in data["settings"]]
+            settings = [Setting(**{**s, "confidences": tuple(s.get("confidences", ()))})
+                        for s in data["settings"]]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed service table setting: {exc}") from None
         return cls(settings, data.get("metric", ""), data.get("source", ""))
@@ -157,7 +196,8 @@ class ServiceTable:
         full = self.full
         return {"source": self.source, "metric": self.metric, "budgets": list(self.budgets),
                 "widths": list(self.widths), "settings": len(self.settings),
-                "full_path": {"fixed_s": full.fixed_s, "per_token_s": full.per_token_s}}
+                "full_path": {"fixed_s": full.fixed_s, "per_row_s": full.per_row_s,
+                              "per_token_s": full.per_token_s}}
 
 
 @dataclass(frozen=True)
@@ -266,7 +306,8 @@ class ServingSimulator:
 
     def describe(self) -> dict:
         """What a trained policy needs to know about its simulator (for policy.json)."""
-        return {"table": self.table.summary(), "reward": REWARD_CONSTANTS,
+        return {"simulator": "requests", "table": self.table.summary(),
+                "reward": REWARD_CONSTANTS,
                 "simulation": {**asdict(self.config), "duration_s": self.duration_s,
                                "night_rate": self.night_rate,
                                "workload_inputs": len(self.workload)},
