@@ -20,9 +20,9 @@ when equal to the known answer.
   (`draw="waves"`), so a decided vote leaves samples undrawn.
 
 Measures (per contender): accuracy with a 95% bootstrap interval (2,000 resamples of the
-questions, seed 0); generated tokens (every row, cancelled ones and the router's greedy prefill
-row included) and their share of fixed 7's; wall time of the whole split; samples drawn per
-question. The seed's quality score = 0.6 x accuracy + 0.3 x consistency + 0.1 x speed, where
+questions, seed 0); generated tokens (every row, cancelled ones and the router's greedy row
+included) and their share of fixed 7's; wall time of the whole split (after an untimed warm-up
+on one question); rows (the greedy row and samples) drawn per question. The seed's quality score = 0.6 x accuracy + 0.3 x consistency + 0.1 x speed, where
 consistency = the mean share of a question's counted samples that give the returned answer
 (1 for greedy: one deterministic sample) and speed = greedy's wall time / the contender's
 (1 for greedy). The router's own accuracy is measured on the test split too: its tier against
@@ -44,7 +44,7 @@ from train_consistency_router import MAX_NEW_TOKENS, SEED, parse_setting  # noqa
 
 import rbcompile  # noqa: E402
 from rbcompile.consistency import RoutedGroup, SampleGroup, VoteOptions, normalise  # noqa: E402
-from rbcompile.consistency_router import find_router, label_tier  # noqa: E402
+from rbcompile.consistency_router import find_router, label_tier, vote_of  # noqa: E402
 from rbcompile.prefix_cache import PrefixCache  # noqa: E402
 from rbcompile.sampling import SamplingConfig  # noqa: E402
 
@@ -101,6 +101,7 @@ def main() -> None:
         "router + early stop": lambda e, p: RoutedGroup(e, p, router, sampling=sampled, options=early,
                                                         **common),
     }
+    run(model, prompts[:1], contenders["fixed 3"], args.max_batch)   # warm-up, not timed
     results, answers, fixed7 = {}, {}, []
     for name, make_group in contenders.items():
         print(f"{name}: {len(rows)} questions", file=sys.stderr)
@@ -118,7 +119,7 @@ def main() -> None:
         results[name] = {
             "accuracy": sum(correct) / len(rows), "accuracy_95": bootstrap(correct),
             "tokens": sum(group.new_tokens for group in groups), "seconds": seconds,
-            "samples_per_question": sum(group.drawn for group in samples) / len(rows),
+            "rows_per_question": sum(group.drawn for group in samples) / len(rows),
             "consistency": sum(agreement) / len(rows),
             "tiers": {tier: tiers.count(tier) for tier in (1, 3, 7)} if tiers[0] else None,
             "router_tiers": tiers if tiers[0] else None}
@@ -133,20 +134,26 @@ def main() -> None:
     chosen = results["router"]["router_tiers"]
     router_accuracy = sum(a == b for a, b in zip(chosen, labels)) / len(rows)
     needed = sum((a > 1) == (b > 1) for a, b in zip(chosen, labels)) / len(rows)
+    # the earlier label: does a 7-vote (greedy + 6 samples) change the greedy answer?
+    changed = [vote_of(first, seven, 7) != first
+               for first, seven in zip(answers["greedy 1"], fixed7)]
+    change = sum((a > 1) == b for a, b in zip(chosen, changed)) / len(rows)
     table = [{"name": name, "acc": f"{100 * r['accuracy']:.1f}",
               "ci": f"[{100 * r['accuracy_95'][0]:.1f}, {100 * r['accuracy_95'][1]:.1f}]",
-              "samples": f"{r['samples_per_question']:.2f}", "tokens": r["tokens"],
+              "samples": f"{r['rows_per_question']:.2f}", "tokens": r["tokens"],
               "share": f"{100 * r['tokens_vs_fixed7']:.0f}%", "wall": f"{r['seconds']:.0f}",
               "cons": f"{r['consistency']:.3f}", "speed": f"{r['speed']:.2f}",
               "quality": f"{r['quality']:.3f}"} for name, r in results.items()]
     print_table(table, [("name", "contender"), ("acc", "accuracy %"), ("ci", "95% CI"),
-                        ("samples", "samples/q"), ("tokens", "tokens"), ("share", "of fixed 7"),
+                        ("samples", "rows/q"), ("tokens", "tokens"), ("share", "of fixed 7"),
                         ("wall", "wall s"), ("cons", "consistency"), ("speed", "speed"),
                         ("quality", "quality")])
     print(f"router on the {len(rows)} test questions: tier accuracy {100 * router_accuracy:.1f}% "
           f"(labels {dict((t, labels.count(t)) for t in (1, 3, 7))}; always 1: "
           f"{100 * labels.count(1) / len(rows):.1f}%), 'a vote is needed' accuracy "
-          f"{100 * needed:.1f}%; cross-validated at training: "
+          f"{100 * needed:.1f}%; 'a 7-vote changes the greedy answer' accuracy "
+          f"{100 * change:.1f}% ({sum(changed)} change; never: "
+          f"{100 * (1 - sum(changed) / len(rows)):.1f}%); cross-validated at training: "
           f"{router.info.get('cv_tier_accuracy')}")
     for result in results.values():
         result.pop("router_tiers")
@@ -154,6 +161,7 @@ def main() -> None:
         "artifact": args.artifact, "questions": len(rows), "sampling": setting,
         "max_new_tokens": MAX_NEW_TOKENS, "sample_seed": SEED, "contenders": results,
         "router": {"test_tier_accuracy": router_accuracy, "test_vote_needed_accuracy": needed,
+                   "test_change_accuracy": change, "test_changes": sum(changed),
                    "test_labels": {t: labels.count(t) for t in (1, 3, 7)}, "info": router.info}},
         args.json)
     print(f"wrote {path}")

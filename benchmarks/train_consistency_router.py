@@ -40,7 +40,7 @@ from rbcompile.prefix_cache import PrefixCache  # noqa: E402
 from rbcompile.sampling import SamplingConfig  # noqa: E402
 
 SEED = 1000
-SETTING = "0.5"         # temperature[:kTOP_K][:pTOP_P] of the samples (chosen by the sweep)
+SETTING = "0.3"         # temperature[:kTOP_K][:pTOP_P] of the samples (chosen by the sweep)
 MAX_NEW_TOKENS = 6
 SAMPLES = 7
 FOLDS = 5
