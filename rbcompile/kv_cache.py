@@ -175,7 +175,7 @@ class BatchKVCache:
             self.length = 0
         if prompt_tokens > self.length:  # move the running rows right to make room before them
             self._shift(prompt_tokens - self.length)
-        self._reserve(self.length + 1)
+        self._grow(self.length + 1)   # not `_reserve`: compacting would undo the shift
         self.pads[self.active] = self.length - prompt_tokens
         self.holes[self.active] = False
         self.skipped[self.active] = 0

@@ -285,3 +285,6 @@ def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(
     decode(9)             # past the capacity: compacts (pads >= block) or grows
     assert cache.capacity >= capacity and int(cache.pads[:cache.active].min()) < cache.block
     speculate([2, 0], 3)
+    # a prompt that shifts the rows right to a block boundary: the slot `place` reserves after
+    # it must not compact them back (that left the newcomer a negative pad)
+    join(4, (cache.length // cache.block + 2) * cache.block)
