@@ -485,8 +485,9 @@ def _vote_texts(model, args) -> None:
         stats = result.stats
         votes = ", ".join(f"{answer!r}: {count}" for answer, count in result.votes.items())
         print(f"{text!r} -> {result.answer!r}")
-        tier = "" if stats.tier is None else f"router: {stats.tier} samples; "
-        print(f"  {tier}votes {{{votes}}} from {stats.voted} of {stats.samples} samples"
+        tier = "" if stats.tier is None else \
+            f"router: tier {stats.tier} (greedy + {stats.tier - 1} samples); "
+        print(f"  {tier}votes {{{votes}}} from {stats.voted} of {stats.samples} answers"
               f"{' (stopped early)' if stats.stopped_early else ''}; {stats.prefills} prefill, "
               f"{stats.new_tokens} tokens in {stats.seconds:.2f} s")
 
