@@ -262,11 +262,12 @@ def test_cli_train_policy_on_a_decoder_and_serve_it(llama_artifact, tmp_path, ca
     monkeypatch.setattr(train_policy, "EVALUATION_DAYS", 1)
     monkeypatch.setattr(train_policy, "DECODER_BUDGETS", (0.2, 0.5))
     monkeypatch.setattr(train_policy, "DECODER_QUALITY_INPUTS", 64)
+    monkeypatch.setattr(train_policy, "DECODE_STEPS", 2)
     workload = tmp_path / "workload.jsonl"
     _workload(workload, 200)
     out = tmp_path / "policy"
     assert main(["train-policy", str(llama_artifact), "--workload", str(workload), "-o",
-                 str(out), "--steps", "200", "--max-batch", "4", "--slo-ms", "20",
+                 str(out), "--steps", "200", "--max-batch", "2", "--slo-ms", "20",
                  "--new-tokens", "8"]) == 0
     table = ServiceTable.from_json(json.loads((out / "table.json").read_text()))
     assert table.budgets == (0.0, 0.2, 0.5) and table.widths == (1.0,)
