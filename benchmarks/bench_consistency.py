@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import consistency_questions as questions  # noqa: E402
 from common import pin_threads, print_table, write_json  # noqa: E402
-from train_consistency_router import MAX_NEW_TOKENS, SEED, parse_setting  # noqa: E402
+from train_consistency_router import SEED, parse_setting  # noqa: E402
 
 import rbcompile  # noqa: E402
 from rbcompile.consistency import RoutedGroup, SampleGroup, VoteOptions, normalise  # noqa: E402
@@ -86,13 +86,14 @@ def main() -> None:
     model = rbcompile.load(args.artifact)
     router = find_router(model, args.router)
     rows = questions.load("test")[:args.limit]
-    prompts = [model.tokenizer(questions.prompt(row["question"]))["input_ids"] for row in rows]
+    form = questions.CLOZE
+    prompts = [model.tokenizer(form.prompt(row["question"]))["input_ids"] for row in rows]
     gold = [normalise(row["answer"]) for row in rows]
     setting = router.info.get("setting", "0.7")   # routers trained before the sweep: 0.7
     sampled = parse_setting(setting)
-    common = dict(max_new_tokens=MAX_NEW_TOKENS, stop=questions.STOP)
-    all_counted = VoteOptions(extract=questions.EXTRACT, early_stop="off")
-    early = VoteOptions(extract=questions.EXTRACT, draw="waves")
+    common = dict(max_new_tokens=form.max_new_tokens, stop=list(form.stop))
+    all_counted = VoteOptions(extract=form.extract, early_stop="off")
+    early = VoteOptions(extract=form.extract, draw="waves")
     contenders = {
         "greedy 1": lambda e, p: SampleGroup(e, p, 1, sampling=SamplingConfig(), options=all_counted, **common),
         "fixed 3": lambda e, p: SampleGroup(e, p, 3, sampling=sampled, options=all_counted, **common),
@@ -159,7 +160,7 @@ def main() -> None:
         result.pop("router_tiers")
     path = write_json("consistency", {
         "artifact": args.artifact, "questions": len(rows), "sampling": setting,
-        "max_new_tokens": MAX_NEW_TOKENS, "sample_seed": SEED, "contenders": results,
+        "max_new_tokens": form.max_new_tokens, "sample_seed": SEED, "contenders": results,
         "router": {"test_tier_accuracy": router_accuracy, "test_vote_needed_accuracy": needed,
                    "test_change_accuracy": change, "test_changes": sum(changed),
                    "test_labels": {t: labels.count(t) for t in (1, 3, 7)}, "info": router.info}},

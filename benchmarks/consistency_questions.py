@@ -11,24 +11,31 @@ countries (single-word capitals). The mix is tuned so that smollm2-135m's single
 is right on 20-80% of the questions (measured by benchmarks/bench_consistency.py).
 
 A question is a sentence its answer completes ("The day after Friday is"), asked after a fixed
-few-shot prefix of such sentences, one a line (`prompt`); the answer is the first word of the
-completion (`EXTRACT`), normalised as rbcompile.consistency does.
+few-shot prefix of such sentences, one a line (`CLOZE.prompt`); the answer is the first word of
+the completion (`CLOZE.extract`), normalised as rbcompile.consistency does.
+
+`CHAIN` is a second, generated-only set (`load(split, CHAIN)`, 200 questions, the same seed and
+split rule) whose answers take a short reasoning chain: a sum of three numbers, a product minus
+a number, a two-step word problem, the weekday or letter n steps on. Each is asked as
+"Q: ... A:" after five solved examples whose chains end "So the answer is X."; the answer is
+the word after "answer is". It exists to measure whether votes over varied chains beat the
+greedy chain (benchmarks/sweep_consistency.py --format chain), as they do for larger models.
 """
 from __future__ import annotations
 
 import json
 import random
 import string
+from dataclasses import dataclass
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data" / "consistency-questions.jsonl"
 SEED = 17
 QUESTIONS = 420
+CHAIN_QUESTIONS = 200
 TEST_SHARE = 0.5
-EXTRACT = r"regex:^\s*(\S+)"        # the completion's first word
-STOP = ["\n"]
 
-FEW_SHOT = [
+FEW_SHOT = (
     ("14 + 3 =", "17"),
     ("The larger of 61 and 58 is", "61"),
     ("The letter after G is", "H"),
@@ -36,7 +43,7 @@ FEW_SHOT = [
     ("In minutes, 2 hours equals", "120"),
     ("The capital of Italy is", "Rome"),
     ("The word 'stone' has", "5"),
-]
+)
 
 WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August",
@@ -130,16 +137,87 @@ KINDS = {"arithmetic": (_arithmetic, 3), "compare": (_compare, 3), "letters": (_
          "capital": (_capital, 2)}   # kind -> (maker, weight)
 
 
-def generate(seed: int = SEED, count: int = QUESTIONS) -> list[dict]:
-    """`count` distinct questions (kinds drawn by weight), each with its split: a seeded
-    shuffle puts `TEST_SHARE` of them in 'test', the rest in 'train'."""
+def _three_sum(rng):
+    a, b, c = rng.randint(10, 60), rng.randint(10, 40), rng.randint(2, 30)
+    return f"What is {a} + {b} + {c}?", a + b + c
+
+
+def _product_minus(rng):
+    a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 9)
+    return f"What is {a} times {b}, minus {c}?", a * b - c
+
+
+def _story(rng):
+    name, things = rng.choice(["Anna", "Sam", "Lily", "Ben"]), rng.choice(["apples", "books",
+                                                                          "coins", "stamps"])
+    have, more, away = rng.randint(3, 15), rng.randint(2, 9), rng.randint(1, 5)
+    question = (f"{name} has {have} {things}. {name} gets {more} more and gives away {away}. "
+                f"How many {things} does {name} have?")
+    return question, have + more - away
+
+
+def _weekday_steps(rng):
+    day, n = rng.randrange(7), rng.randint(2, 5)
+    return f"What day is {n} days after {WEEKDAYS[day]}?", WEEKDAYS[(day + n) % 7]
+
+
+def _letter_steps(rng):
+    index, n = rng.randrange(18), rng.randint(2, 5)
+    letters = string.ascii_uppercase
+    return f"Which letter is {n} letters after {letters[index]}?", letters[index + n]
+
+
+CHAIN_KINDS = {"three-sum": (_three_sum, 1), "product-minus": (_product_minus, 1),
+               "story": (_story, 1), "weekday-steps": (_weekday_steps, 1),
+               "letter-steps": (_letter_steps, 1)}
+CHAIN_SHOTS = (
+    ("What is 23 + 45 + 12?", "23 + 45 = 68, and 68 + 12 = 80. So the answer is 80."),
+    ("What day is 3 days after Monday?",
+     "After Monday come Tuesday (1), Wednesday (2), Thursday (3). So the answer is Thursday."),
+    ("Which letter is 4 letters after C?",
+     "After C come D (1), E (2), F (3), G (4). So the answer is G."),
+    ("Tom has 7 apples. He buys 5 more and eats 3. How many apples does he have?",
+     "7 + 5 = 12, and 12 - 3 = 9. So the answer is 9."),
+    ("What is 6 times 4, minus 5?", "6 x 4 = 24, and 24 - 5 = 19. So the answer is 19."),
+)
+
+
+@dataclass(frozen=True)
+class Format:
+    """How a question set is asked and answered: the solved examples before the question
+    (`shot` lays one out from {q} and {a}, `ask` the question), the answer extractor, the stop
+    strings and the most tokens an answer takes."""
+    name: str
+    kinds: dict
+    count: int
+    shots: tuple[tuple[str, str], ...]
+    shot: str
+    ask: str
+    extract: str
+    stop: tuple[str, ...]
+    max_new_tokens: int
+
+    def prompt(self, question: str) -> str:
+        """The few-shot prompt asking `question`."""
+        return "".join(self.shot.format(q=q, a=a) for q, a in self.shots) + self.ask.format(q=question)
+
+
+CLOZE = Format("cloze", KINDS, QUESTIONS, FEW_SHOT, "{q} {a}\n", "{q}",
+               r"regex:^\s*(\S+)", ("\n",), 6)      # the answer: the completion's first word
+CHAIN = Format("chain", CHAIN_KINDS, CHAIN_QUESTIONS, CHAIN_SHOTS, "Q: {q}\nA: {a}\n\n",
+               "Q: {q}\nA:", r"regex:answer is\s+(\S+)", ("\n",), 48)
+
+
+def generate(seed: int = SEED, form: Format = CLOZE) -> list[dict]:
+    """`form.count` distinct questions of `form`'s kinds (drawn by weight), each with its split:
+    a seeded shuffle puts `TEST_SHARE` of them in 'test', the rest in 'train'."""
     rng = random.Random(seed)
-    names = list(KINDS)
-    weights = [KINDS[name][1] for name in names]
-    seen, questions = {question for question, _ in FEW_SHOT}, []
+    names = list(form.kinds)
+    weights = [form.kinds[name][1] for name in names]
+    seen, questions, count = {question for question, _ in form.shots}, [], form.count
     while len(questions) < count:
         kind = rng.choices(names, weights)[0]
-        question, answer = KINDS[kind][0](rng)
+        question, answer = form.kinds[kind][0](rng)
         if question not in seen:
             seen.add(question)
             questions.append({"kind": kind, "question": question, "answer": str(answer)})
@@ -150,14 +228,11 @@ def generate(seed: int = SEED, count: int = QUESTIONS) -> list[dict]:
             for i, q in enumerate(questions)]
 
 
-def prompt(question: str) -> str:
-    """The few-shot prompt asking `question` (a sentence the answer completes)."""
-    return "".join(f"{q} {a}\n" for q, a in FEW_SHOT) + question
-
-
-def load(split: str | None = None, path: Path = DATA) -> list[dict]:
-    """The committed questions (of one split: 'train' or 'test')."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def load(split: str | None = None, form: Format = CLOZE) -> list[dict]:
+    """The questions of `form` (of one split: 'train' or 'test'): the committed file for CLOZE,
+    generated from the seed for CHAIN."""
+    rows = ([json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+            if form is CLOZE else generate(form=form))
     return [row for row in rows if split is None or row["split"] == split]
 
 

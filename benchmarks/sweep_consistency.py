@@ -5,6 +5,10 @@ benchmarks/data/consistency-questions.jsonl, and the accuracy of votes over them
 Never run on the test split: it is for choosing.
 
     python benchmarks/sweep_consistency.py build/smollm2-135m [--settings 0.3 0.5 0.7:p0.8]
+        [--format cloze|chain]
+
+`--format chain` asks consistency_questions.CHAIN's training questions instead (answers after
+a short reasoning chain, up to 48 tokens), to see whether votes over chains beat the greedy one.
 
 A setting is TEMPERATURE[:kK][:pP] (top-k K, top-p P). The answers are labelled and cached by
 train_consistency_router.py's `labels` (so training at a swept setting reuses them); the
@@ -17,6 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import consistency_questions as questions  # noqa: E402
 from common import pin_threads, print_table, write_json  # noqa: E402
 from train_consistency_router import SAMPLES, labels, vote_of  # noqa: E402
 
@@ -48,21 +53,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", nargs="?", default="build/smollm2-135m")
     parser.add_argument("--settings", nargs="+", default=["0.3", "0.5", "0.7"])
+    parser.add_argument("--format", choices=["cloze", "chain"], default="cloze",
+                        help="the question set (consistency_questions.CLOZE or CHAIN)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--json", help="output path (default "
-                        "benchmarks/results/consistency-sweep.json)")
+                        "benchmarks/results/consistency-sweep[-chain].json)")
     args = parser.parse_args()
     pin_threads(args.threads)
+    form = questions.CHAIN if args.format == "chain" else questions.CLOZE
     model = rbcompile.load(args.artifact)
-    results = {setting: accuracies(labels(model, setting, args.max_batch))
-               for setting in args.settings}
+    labelled = {setting: labels(model, setting, args.max_batch, form=form)
+                for setting in args.settings}
+    results = {setting: accuracies(items) for setting, items in labelled.items()}
+    by_kind = {setting: {kind: accuracies([item for item in items if item["kind"] == kind])
+                         for kind in sorted({item["kind"] for item in items})}
+               for setting, items in labelled.items()}
     columns = list(next(iter(results.values())))
     print_table([{"setting": setting, **{name: f"{100 * value:.1f}" for name, value in row.items()}}
                  for setting, row in results.items()],
                 [("setting", "sampling")] + [(name, f"{name} %") for name in columns])
-    path = write_json("consistency-sweep", {"artifact": args.artifact, "split": "train",
-                                            "settings": results}, args.json)
+    name = "consistency-sweep" + ("" if form is questions.CLOZE else f"-{form.name}")
+    path = write_json(name, {"artifact": args.artifact, "split": "train", "format": form.name,
+                             "questions": len(next(iter(labelled.values()))),
+                             "settings": results, "by_kind": by_kind}, args.json)
     print(f"wrote {path}")
 
 

@@ -41,7 +41,6 @@ from rbcompile.sampling import SamplingConfig  # noqa: E402
 
 SEED = 1000
 SETTING = "0.3"         # temperature[:kTOP_K][:pTOP_P] of the samples (chosen by the sweep)
-MAX_NEW_TOKENS = 6
 SAMPLES = 7
 FOLDS = 5
 BUDGET = 0.4 * 7        # votes per question the router may spend on average
@@ -65,17 +64,18 @@ def parse_setting(text: str) -> SamplingConfig:
                           top_p=top_p, seed=SEED)
 
 
-def label(model, rows: list[dict], setting: str, max_batch: int) -> list[dict]:
+def label(model, rows: list[dict], setting: str, max_batch: int,
+          form: questions.Format = questions.CLOZE) -> list[dict]:
     """Per question: the router's features, the greedy answer, the 7 samples' answers (in seed
     order) and the right answer, all normalised, and the tier label. Every question joins one
     continuous batch (a shared prefix cache holds the few-shot prefix)."""
-    vote = VoteOptions(extract=questions.EXTRACT, early_stop="off")
+    vote = VoteOptions(extract=form.extract, early_stop="off")
     engine = model.batch_engine(max_batch=max_batch, prefix_cache=PrefixCache())
-    options = dict(max_new_tokens=MAX_NEW_TOKENS, sampling=parse_setting(setting),
-                   stop=questions.STOP, options=vote)
+    options = dict(max_new_tokens=form.max_new_tokens, sampling=parse_setting(setting),
+                   stop=list(form.stop), options=vote)
     groups = []
     for row in rows:
-        ids = model.tokenizer(questions.prompt(row["question"]))["input_ids"]
+        ids = model.tokenizer(form.prompt(row["question"]))["input_ids"]
         groups.append((RoutedGroup(engine, ids, Greedy(), **options),
                        SampleGroup(engine, ids, SAMPLES, **options)))
     started = time.perf_counter()
@@ -95,14 +95,16 @@ def label(model, rows: list[dict], setting: str, max_batch: int) -> list[dict]:
     return labelled
 
 
-def labels(model, setting: str, max_batch: int, relabel: bool = False) -> list[dict]:
-    """The training split labelled at `setting`, from the cache unless `relabel`."""
+def labels(model, setting: str, max_batch: int, relabel: bool = False,
+           form: questions.Format = questions.CLOZE) -> list[dict]:
+    """The training split of `form` labelled at `setting`, from the cache unless `relabel`."""
     source = model.manifest.get("source") or {}
+    suffix = "" if form is questions.CLOZE else f"-{form.name}"
     cached = (RESULTS / f"consistency-labels-{source.get('sha256', 'unknown')[:16]}-"
-              f"{setting.replace(':', '-')}.json")
+              f"{setting.replace(':', '-')}{suffix}.json")
     if cached.is_file() and not relabel:
         return json.loads(cached.read_text())["labelled"]
-    labelled = label(model, questions.load("train"), setting, max_batch)
+    labelled = label(model, questions.load("train", form), setting, max_batch, form)
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps({"source": source, "seed": SEED, "setting": setting,
                                   "labelled": labelled}))

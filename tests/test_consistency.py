@@ -534,3 +534,34 @@ def test_cli_run_consistency_auto(llama, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.startswith("'the time of his' -> ") and "router: tier 3 (greedy + 2 samples); votes" in out
     assert "from 3 of 3 answers" in out
+
+
+def test_question_sets_are_reproducible_and_their_solved_examples_extract():
+    """benchmarks/consistency_questions.py: the committed cloze set is what its seed generates,
+    the chain set is generated the same way each time, both split in halves with no question
+    of the few-shot prefix; each set's extractor reads its solved examples' answers, and the
+    chain set's arithmetic answers follow from their questions."""
+    import re
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import consistency_questions as questions
+
+    assert questions.generate() == questions.load()
+    chain = questions.load(form=questions.CHAIN)
+    assert chain == questions.generate(form=questions.CHAIN)
+    for form, rows in ((questions.CLOZE, questions.load()), (questions.CHAIN, chain)):
+        assert len(rows) == form.count and len({row["question"] for row in rows}) == form.count
+        assert sum(row["split"] == "test" for row in rows) == form.count // 2
+        assert not {q for q, _ in form.shots} & {row["question"] for row in rows}
+        read = extractor(form.extract)
+        for question, answer in form.shots:   # the example as laid out = asked + completion
+            solved, asked = form.shot.format(q=question, a=answer), form.ask.format(q=question)
+            assert solved.startswith(asked) and form.prompt(question).endswith(asked)
+            assert normalise(read(solved[len(asked):])) == normalise(answer.split()[-1])
+    for row in chain:
+        numbers = [int(n) for n in re.findall(r"\d+", row["question"])]
+        if row["kind"] == "three-sum":
+            assert int(row["answer"]) == sum(numbers)
+        elif row["kind"] == "product-minus":
+            assert int(row["answer"]) == numbers[0] * numbers[1] - numbers[2]
