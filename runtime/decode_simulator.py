@@ -35,13 +35,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .admission import QOS_CLASSES
 from .decode_control import DecodeController
-from .policy import FEATURES, BasePolicy, Decision, PolicyState
-from .simulator import (REWARD_CONSTANTS, ActionLevels, EpisodeStats, ServiceTable,
-                        WorkloadItem, _percentile, batch_reward)
+from .policy import BasePolicy, Decision, PolicyState
+from .simulator import (ActionLevels, EpisodeStats, ServiceTable, WorkloadItem, _percentile,
+                        batch_reward, describe_simulator)
 from .workload import tidal_trace
 
 QOS_MIX = {"interactive": 0.3, "standard": 0.5, "batch": 0.2}   # bench_serve_tidal.py's
@@ -152,15 +152,8 @@ class DecodeSimulator:
 
     def describe(self) -> dict:
         """What a trained policy needs to know about its simulator (for policy.json)."""
-        return {"simulator": "decode-step", "table": self.table.summary(),
-                "reward": REWARD_CONSTANTS,
-                "simulation": {**asdict(self.config), "duration_s": self.duration_s,
-                               "night_rate": self.night_rate,
-                               "capacity_rps": self.capacity_rps,
-                               "workload_inputs": len(self.workload)},
-                "state": {"features": list(FEATURES), "slo_s": self.config.slo_s,
-                          "max_length": self.config.max_positions,
-                          "max_queue": PolicyState.max_queue}}
+        return describe_simulator(self, "decode-step", self.config.max_positions,
+                                  capacity_rps=self.capacity_rps)
 
     # ---- episode ----------------------------------------------------------------------------
 

@@ -59,6 +59,18 @@ WINDOW_SHARE = 1 / 48       # this share of the simulated day when that is short
 DISTINCT_INPUTS = 100_000   # fresh inputs a day draws from (copies of the workload's inputs)
 
 
+def describe_simulator(simulator, kind: str, max_length: int, **simulation) -> dict:
+    """What a policy trained on `simulator` needs to know about it (policy.json): its kind, the
+    service table, the reward, the day simulated (`simulation` adds fields) and the state's
+    scales. Both simulators (`ServingSimulator`, `decode_simulator.DecodeSimulator`) use it."""
+    return {"simulator": kind, "table": simulator.table.summary(), "reward": REWARD_CONSTANTS,
+            "simulation": {**asdict(simulator.config), "duration_s": simulator.duration_s,
+                           "night_rate": simulator.night_rate, **simulation,
+                           "workload_inputs": len(simulator.workload)},
+            "state": {"features": list(FEATURES), "slo_s": simulator.config.slo_s,
+                      "max_length": max_length, "max_queue": PolicyState.max_queue}}
+
+
 def batch_reward(latencies: list[float], drops: list[float], changed: int, slo_s: float) -> float:
     """The reward of one decision (see the module docstring)."""
     low, high = LATENCY_CLIP
@@ -306,14 +318,7 @@ class ServingSimulator:
 
     def describe(self) -> dict:
         """What a trained policy needs to know about its simulator (for policy.json)."""
-        return {"simulator": "requests", "table": self.table.summary(),
-                "reward": REWARD_CONSTANTS,
-                "simulation": {**asdict(self.config), "duration_s": self.duration_s,
-                               "night_rate": self.night_rate,
-                               "workload_inputs": len(self.workload)},
-                "state": {"features": list(FEATURES), "slo_s": self.config.slo_s,
-                          "max_length": self.config.max_length,
-                          "max_queue": PolicyState.max_queue}}
+        return describe_simulator(self, "requests", self.config.max_length)
 
     # ---- episode ----------------------------------------------------------------------------
 
