@@ -199,7 +199,8 @@ class Format:
 
     def prompt(self, question: str) -> str:
         """The few-shot prompt asking `question`."""
-        return "".join(self.shot.format(q=q, a=a) for q, a in self.shots) + self.ask.format(q=question)
+        solved = "".join(self.shot.format(q=q, a=a) for q, a in self.shots)
+        return solved + self.ask.format(q=question)
 
 
 CLOZE = Format("cloze", KINDS, QUESTIONS, FEW_SHOT, "{q} {a}\n", "{q}",

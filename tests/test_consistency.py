@@ -532,7 +532,8 @@ def test_cli_run_consistency_auto(llama, tmp_path, monkeypatch, capsys):
     fixed_router(3, llama.manifest["source"]["sha256"]).save(tmp_path / "consistency-router-x.json")
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("'the time of his' -> ") and "router: tier 3 (greedy + 2 samples); votes" in out
+    assert out.startswith("'the time of his' -> ")
+    assert "router: tier 3 (greedy + 2 samples); votes" in out
     assert "from 3 of 3 answers" in out
 
 
