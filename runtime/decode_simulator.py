@@ -69,6 +69,15 @@ class DecodeEpisodeStats(EpisodeStats):
     about), `request_latencies` each request's arrival to last token."""
     request_latencies: list[float] = field(default_factory=list)
 
+    def record(self, decision: Decision, reward: float, served: dict) -> None:
+        super().record(decision, reward, served)
+        self.request_latencies += served["request_latencies"]
+
+    @staticmethod
+    def served_requests(served: dict) -> int:
+        """Requests a step finished (its `latencies` are per row and step)."""
+        return len(served["request_latencies"])
+
     def summary(self, slo_s: float) -> dict:
         ordered = sorted(self.request_latencies)
         return {**super().summary(slo_s), "request_p50_ms": 1e3 * _percentile(ordered, 0.5),
@@ -220,13 +229,7 @@ class DecodeSimulator:
             policy.observe(state)   # as DecodeController.before_step: observe, then decide
             decision = policy.decide(state)
             reward, state, served = self.step(decision)
-            stats.decisions += 1
-            stats.requests += len(served["request_latencies"])
-            stats.total_reward += reward
-            stats.latencies += served["latencies"]
-            stats.drops += served["drops"]
-            stats.request_latencies += served["request_latencies"]
-            stats.budgets.append(decision.budget)
+            stats.record(decision, reward, served)
         return stats
 
     # ---- internals --------------------------------------------------------------------------

@@ -269,6 +269,20 @@ class EpisodeStats:
     drops: list[float] = field(default_factory=list)
     budgets: list[float] = field(default_factory=list)
 
+    def record(self, decision: Decision, reward: float, served: dict) -> None:
+        """Count one decision: its reward and what the step served (`latencies`, `drops`)."""
+        self.decisions += 1
+        self.requests += self.served_requests(served)
+        self.total_reward += reward
+        self.latencies += served["latencies"]
+        self.drops += served["drops"]
+        self.budgets.append(decision.budget)
+
+    @staticmethod
+    def served_requests(served: dict) -> int:
+        """Requests a step finished: one latency each."""
+        return len(served["latencies"])
+
     def summary(self, slo_s: float) -> dict:
         ordered = sorted(self.latencies)
         return {"mean_reward": self.total_reward / max(1, self.decisions),
@@ -393,12 +407,7 @@ class ServingSimulator:
         while state is not None:
             decision = policy.decide(state)
             reward, state, served = self.step(decision)
-            stats.decisions += 1
-            stats.requests += len(served["latencies"])
-            stats.total_reward += reward
-            stats.latencies += served["latencies"]
-            stats.drops += served["drops"]
-            stats.budgets.append(decision.budget)
+            stats.record(decision, reward, served)
             if state is not None:
                 policy.observe(state)
         return stats
