@@ -22,6 +22,7 @@ from .fuse_kernels import fuse_kernels
 from .gqa_attention import gqa_attention
 from .mark_cache_reuse import mark_cache_reuse
 from .mark_prunable import mark_prunable
+from .mark_seams import mark_seams
 from .mark_skeleton import mark_skeleton
 from .permute_width import permute_width
 
@@ -38,6 +39,7 @@ PIPELINE = [
     mark_cache_reuse,
     form_regions,
     fuse_kernels,
+    mark_seams,
 ]
 
 # Passes that need calibration (ctx.width_importance); they change weights, not the graph.

@@ -25,10 +25,12 @@ BUDGET_GRID = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 
 @contextmanager
 def capture_streams(compiled):
-    """Record (stream in, stream out) of every prunable region while the block runs."""
+    """Record (stream in, stream out) of every prunable region while the block runs (each
+    region through its own method: seams are off meanwhile)."""
     module = compiled.module
     records: dict[int, list] = {}
     wrapped = []
+    seams, module.fuse_seams = getattr(module, "fuse_seams", True), False
     for region in module.REGIONS:
         if region.kind != "prunable":
             continue
@@ -44,6 +46,7 @@ def capture_streams(compiled):
     try:
         yield records
     finally:
+        module.fuse_seams = seams
         for name in wrapped:
             del module.__dict__[name]
 

@@ -13,7 +13,7 @@ width levels are chosen in Python, so a given `widths` list is baked in; fused k
 """
 from __future__ import annotations
 
-from .ir import check_ir, references
+from .ir import ADD_NORMS, check_ir, references
 
 _INDENT = " " * 4
 
@@ -76,27 +76,97 @@ def _tuple(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names)
 
 
+def _method(header: str, name: str, inputs, outputs, nodes: list, params) -> list[str]:
+    """A method computing `outputs` from `inputs` with `nodes` (IR nodes), deleting each value
+    after its last read."""
+    lines = [header, f"{_INDENT}def {name}(self, {', '.join(inputs)}):"]
+    statements = []
+    for node_name, op, args, kwargs, _ in nodes:
+        reads = [name for name in references([args, list(kwargs.values())])
+                 if name not in params]
+        statements.append((f"{node_name} = {_call(op, args, kwargs, params)}", reads))
+    statements.append((f"return {_tuple(outputs)}", outputs))
+    return lines + _with_deletes(statements, _INDENT * 2)
+
+
 def _region_method(region: dict, nodes: list, params, variant: dict | None = None) -> list[str]:
     """A region's method; for a width variant, its narrowed twin (same region id and role)."""
     if variant is None:
         header = (f"{_INDENT}# region {region['id']}: {region['kind']}"
                   f"{' (' + region['unit_kind'] + ')' if region['kind'] == 'prunable' else ''}"
                   f", {region['module_path']}, {region['flops_share']:.2%} of FLOPs")
-        name, inputs, outputs = _method_name(region), region["inputs"], region["outputs"]
-    else:
-        spec = variant["regions"][str(region["id"])]
-        header = (f"{_INDENT}# region {region['id']} at width {variant['ratio']:g}: "
-                  f"{region['module_path']}, {spec['prunable_share']:.2%} of prunable FLOPs")
-        name = _method_name(region, variant)
-        inputs, outputs = spec["inputs"], spec["outputs"]
-    lines = [header, f"{_INDENT}def {name}(self, {', '.join(inputs)}):"]
-    statements = []
-    for name, op, args, kwargs, _ in nodes:
-        reads = [name for name in references([args, list(kwargs.values())])
-                 if name not in params]
-        statements.append((f"{name} = {_call(op, args, kwargs, params)}", reads))
-    statements.append((f"return {_tuple(outputs)}", outputs))
-    lines += _with_deletes(statements, _INDENT * 2)
+        return _method(header, _method_name(region), region["inputs"], region["outputs"], nodes,
+                       params)
+    spec = variant["regions"][str(region["id"])]
+    header = (f"{_INDENT}# region {region['id']} at width {variant['ratio']:g}: "
+              f"{region['module_path']}, {spec['prunable_share']:.2%} of prunable FLOPs")
+    return _method(header, _method_name(region, variant), spec["inputs"], spec["outputs"], nodes,
+                   params)
+
+
+# a seam variant of a region's method (passes/mark_seams.py): which seams it fuses -> suffix
+SEAM_VARIANTS = {"in": "add_norm", "out": "unadded", "in+out": "add_norm_unadded"}
+
+
+def _seam_variants(ir: dict, region: dict) -> dict[str, str]:
+    """Seam variant -> method of `region`: "in" takes the previous region's open sum as its two
+    terms and adds them in its first norm, "out" leaves its own last residual add open (returns
+    the two terms), "in+out" both."""
+    previous = ir["regions"][region["id"] - 1] if region["id"] else {}
+    sides = [side for side, seam in (("in", previous.get("seam")), ("out", region.get("seam")))
+             if seam]
+    keys = [*sides, "+".join(sides)] if len(sides) == 2 else sides
+    return {key: f"{_method_name(region)}_{SEAM_VARIANTS[key]}" for key in keys}
+
+
+def _apart(names, seam: dict | None) -> list[str]:
+    """`names` with the seam's sum replaced by its two terms."""
+    if seam is None:
+        return list(names)
+    return [part for name in names
+            for part in ((seam["residual"], seam["branch"]) if name == seam["add"] else (name,))]
+
+
+def _add_in_norm(nodes: list, seam: dict, taken: set[str]) -> list:
+    """`nodes` with the seam's norm `norm(sum, ...)` replaced by the add+norm kernel on the
+    sum's two terms, which also gives back the sum (fuse_kernels' convention)."""
+    pair = seam["norm"] + "_sum"
+    while pair in taken:
+        pair += "_"
+    out = []
+    for node in nodes:
+        if node[0] != seam["norm"]:
+            out.append(node)
+            continue
+        name, op, args, kwargs, region_id = node
+        out += [[pair, ADD_NORMS[op], [{"node": seam["branch"]}, {"node": seam["residual"]},
+                                       *args[1:]], kwargs, region_id],
+                [name, "operator.getitem", [{"node": pair}, 0], {}, region_id],
+                [seam["add"], "operator.getitem", [{"node": pair}, 1], {}, region_id]]
+    return out
+
+
+def _seam_methods(ir: dict, region: dict, nodes: list, params, taken: set[str]) -> list[str]:
+    """`region`'s seam variants (see `_seam_variants`)."""
+    previous = ir["regions"][region["id"] - 1] if region["id"] else {}
+    lines = []
+    for key, name in _seam_variants(ir, region).items():
+        seam_in = previous["seam"] if "in" in key else None
+        seam_out = region["seam"] if "out" in key else None
+        body = _add_in_norm(nodes, seam_in, taken) if seam_in else nodes
+        outputs = _apart(region["outputs"], seam_out)
+        if seam_out:
+            body = [node for node in body if node[0] != seam_out["add"]]
+        if seam_in and seam_in["add"] not in outputs and not any(
+                seam_in["add"] in references([n[2], list(n[3].values())]) for n in body):
+            body = [node for node in body if node[0] != seam_in["add"]]  # the sum is unread
+        what = " and ".join(
+            [*([f"adding region {previous['id']}'s open residual add in its first norm"]
+               if seam_in else []),
+             *(["leaving its last residual add open"] if seam_out else [])])
+        lines += ["", *_method(f"{_INDENT}# region {region['id']} {what}", name,
+                               _apart(region["inputs"], seam_in),
+                               outputs, body, params)]
     return lines
 
 
@@ -120,6 +190,11 @@ def _table(ir: dict, variants: list[dict]) -> list[str]:
             levels = tuple((v["ratio"], _method_name(region, v)) for v in _levels(region, variants))
             rows += [f"gate={region['gate']!r}, skip={(out, stream_in)!r}",
                      *([f"levels={levels!r}"] if levels else [])]
+        seam_methods = _seam_variants(ir, region)
+        if seam_methods:
+            seams = tuple(ir["regions"][i]["seam"]["add"] if i >= 0 and "seam" in ir["regions"][i]
+                          else None for i in (region["id"] - 1, region["id"]))
+            rows.append(f"seams={seams!r}, seam_methods={tuple(seam_methods.items())!r}")
         rows += [f"drop={tuple(drop)!r}"] if drop else []
         lines.append(f"{_INDENT * 2}Region({new_row.join(rows)}),")
     return lines + [f"{_INDENT})"]
@@ -206,9 +281,11 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         "",
         *_forward(ir, guards),
     ]
+    taken = {*params, *ir["inputs"], *(node[0] for node in ir["nodes"])}
     for region in ir["regions"]:
         lines += [""] + _region_method(region, by_region.get(region["id"], []), params)
         for variant in _levels(region, variants):
             nodes = [n for n in variant["nodes"] if n[4] == region["id"]]
             lines += [""] + _region_method(region, nodes, params, variant)
+        lines += _seam_methods(ir, region, by_region.get(region["id"], []), params, taken)
     return "\n".join(lines) + "\n"

@@ -205,6 +205,33 @@ def _check_variant(variant: dict, ir: dict) -> set[str]:
     return views
 
 
+ADD_NORMS = {"rbcompile.rms_norm.default": "rbcompile.add_rms_norm.default",
+             "rbcompile.layer_norm.default": "rbcompile.add_layer_norm.default"}
+
+
+def _check_seams(ir: dict) -> None:
+    """Each region's `seam` (passes/mark_seams.py) names its own residual add `residual +
+    branch`, one of its outputs, and the norm of the next region that reads the sum first; no
+    other region and no graph output reads the sum."""
+    nodes = {node[0]: node for node in ir["nodes"]}
+    for region in ir["regions"]:
+        seam = region.get("seam")
+        if seam is None:
+            continue
+        add, norm = nodes.get(seam["add"]), nodes.get(seam["norm"])
+        readers = [node for node in ir["nodes"]
+                   if seam["add"] in references([node[2], list(node[3].values())])]
+        if (add is None or norm is None
+                or add[1:] != ["aten.add.Tensor", [{"node": seam["residual"]},
+                                                   {"node": seam["branch"]}], {}, region["id"]]
+                or seam["add"] not in region["outputs"]
+                or seam["add"] in (name for _, name in ir["outputs"])
+                or norm[1] not in ADD_NORMS or norm[2][0] != {"node": seam["add"]}
+                or not readers or readers[0] is not norm
+                or any(node[4] != region["id"] + 1 for node in readers)):
+            raise UserError(f"corrupt artifact graph: bad seam in region {region['id']}")
+
+
 def check_ir(ir: dict) -> None:
     """Validate an IR loaded from disk before generating code from it."""
     try:
@@ -240,6 +267,7 @@ def check_ir(ir: dict) -> None:
         for _, name in ir["outputs"]:
             if name not in defined:
                 raise UserError(f"corrupt artifact graph: unknown output {name!r}")
+        _check_seams(ir)
         params = set(ir["parameters"])
         for variant in ir.get("variants", []):
             params |= _check_variant(variant, ir)

@@ -28,11 +28,17 @@ class Region:
     skip: tuple[str, str] | None = None         # prunable: (output, input it is when skipped)
     levels: tuple[tuple[float, str], ...] = ()  # prunable: (width ratio, method), widest first
     drop: tuple[str, ...] = ()                  # inputs no later region nor the outputs read
+    # seams (see `run_regions`): (the sum the previous region may leave open, which this
+    # region's first norm then adds; the sum this region may leave open), and the methods
+    # that do so: "in" -> the first, "out" -> the second, "in+out" -> both
+    seams: tuple[str | None, str | None] = (None, None)
+    seam_methods: tuple[tuple[str, str], ...] = ()
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The region's methods: full width, then each width level."""
-        return (self.method, *(method for _, method in self.levels))
+        """The region's methods: full width, then each width level, then its seam variants."""
+        return (self.method, *(method for _, method in self.levels),
+                *(method for _, method in self.seam_methods))
 
 
 def width_level(ratios, width: float | None) -> float | None:
@@ -72,18 +78,62 @@ def run_region(module, region: Region, env: dict, gates, widths=None,
         if region.kind == "cache" and guards == "python":
             values = module.region_cache.lookup(region.id, compute, *args)
         else:
-            values = compute(*args)
-            values = values if len(region.outputs) > 1 else (values,)
+            values = _as_tuple(region, compute(*args))
         env.update(zip(region.outputs, values))
+    _drop(region, env)
+
+
+def _as_tuple(region: Region, values) -> tuple:
+    """A region method's result as a tuple of its outputs."""
+    return values if len(region.outputs) > 1 else (values,)
+
+
+def _drop(region: Region, env: dict) -> None:
     for name in region.drop:
-        del env[name]
+        env.pop(name, None)  # a seam's sum never enters `env`
+
+
+def _runs_full(region: Region, gates, widths) -> bool:
+    """`region` runs its full-width method under these gates and widths."""
+    return region.kind == "skeleton" or (
+        region.kind == "prunable" and bool(gates[region.gate])
+        and width_method(region, widths) == region.method)
 
 
 def run_regions(module, env: dict, gates, widths=None, guards: str = "python") -> dict:
     """Run every region of `module` (its `REGIONS`, in order) on `env`, the graph inputs by
-    name; returns `env`, which then holds the graph outputs (see `run_region`)."""
-    for region in module.REGIONS:
-        run_region(module, region, env, gates, widths, guards)
+    name; returns `env`, which then holds the graph outputs (see `run_region`).
+
+    Seams (passes/mark_seams.py): when a region that ends in a residual add and the region
+    after it both run at full width, the first leaves the add open (its seam method returns
+    the sum's two terms) and the second adds them inside its first norm (one fused kernel
+    instead of an add and a norm). Not with `guards="cond"`, nor with `module.fuse_seams`
+    set to False."""
+    regions = module.REGIONS
+    seams = guards == "python" and getattr(module, "fuse_seams", True)
+    terms = None  # the two terms of the sum the previous region left open
+    for index, region in enumerate(regions):
+        closes = terms is not None
+        opens = (seams and region.seams[1] is not None
+                 and (closes or _runs_full(region, gates, widths))
+                 and _runs_full(regions[index + 1], gates, widths))
+        if not (closes or opens):
+            run_region(module, region, env, gates, widths, guards)
+            continue
+        sum_in, sum_out = region.seams
+        args = [value for name in region.inputs
+                for value in (terms if closes and name == sum_in else (env[name],))]
+        variant = "+".join(side for side, on in (("in", closes), ("out", opens)) if on)
+        values = getattr(module, dict(region.seam_methods)[variant])(*args)
+        terms = None
+        if opens:
+            at = region.outputs.index(sum_out)
+            env.update(zip(region.outputs[:at] + region.outputs[at + 1:],
+                           values[:at] + values[at + 2:]))
+            terms = values[at:at + 2]
+        else:
+            env.update(zip(region.outputs, _as_tuple(region, values)))
+        _drop(region, env)
     return env
 
 

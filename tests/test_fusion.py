@@ -138,5 +138,8 @@ def test_calibrated_width_levels_are_fused_too(tiny_checkpoints, calib_file):
     eager = load_hf_model(tiny_checkpoints["llama"])
     ids, mask = _inputs()
     assert max_diff(compiled(ids, mask), eager_outputs(eager, ids, mask)) <= 1e-5
+    light = compiled(ids, mask, budget=0.25)["logits"]  # seams where both sides run full width
+    compiled.module.fuse_seams = False
+    assert torch.equal(compiled(ids, mask, budget=0.25)["logits"], light)
     narrow = compiled(ids, mask, widths=[0.5] * compiled.num_gates)
     assert narrow.skipped_flops > 0
