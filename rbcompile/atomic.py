@@ -35,6 +35,13 @@ def signals_held():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def discard_held_signals() -> None:
+    """Drop the SIGINT / SIGTERM held (inside `signals_held`) so far: the work they would stop
+    is complete, and the command ends as it would have without them."""
+    while signal.sigtimedwait(_SIGNALS, 0) is not None:
+        pass
+
+
 @contextlib.contextmanager
 def locked(folder: Path):
     """An exclusive advisory lock on `folder` (a directory file descriptor: nothing written)."""
@@ -90,6 +97,7 @@ def write_file(path, write: Callable[[Path], T]) -> T:
         with signals_held():
             tmp.chmod(0o666 & ~_umask())
             os.replace(tmp, path)
+            discard_held_signals()
     except BaseException:
         with signals_held():
             tmp.unlink(missing_ok=True)
@@ -121,6 +129,7 @@ def write_folder(out_dir, write: Callable[[Path], T], owned: Owned, kind: str) -
         with signals_held(), locked(out_dir.parent):
             check_replaceable(out_dir, owned, kind)  # again: another writer may have been here
             _swap(tmp, out_dir)
+            discard_held_signals()  # the new folder is in place: "stopped" would now be false
     except BaseException:
         with signals_held():
             shutil.rmtree(tmp, ignore_errors=True)

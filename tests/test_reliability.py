@@ -134,6 +134,30 @@ def test_signals_at_each_stage_leave_the_output_as_it_was(artifact, tiny_checkpo
     assert "stopped" in outcomes
 
 
+def test_signal_during_the_swap_does_not_undo_a_finished_write(tmp_path, monkeypatch):
+    """A signal held while the new folder is swapped in is dropped: the write is complete, so
+    the command must not end as "stopped" (which promises the old folder)."""
+    from rbcompile import atomic
+
+    def terminated(signum, frame):
+        raise RuntimeError("signal delivered after the swap")
+
+    swap = atomic._swap
+
+    def swap_then_signalled(new, out_dir):
+        swap(new, out_dir)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(atomic, "_swap", swap_then_signalled)
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        atomic.write_folder(tmp_path / "out", lambda tmp: (tmp / "a.txt").write_text("new"),
+                            lambda folder: {"a.txt"}, "a test folder")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (tmp_path / "out" / "a.txt").read_text() == "new"
+
+
 def test_concurrent_compiles_to_one_output(tiny_checkpoints, tmp_path):
     target = tmp_path / "art"
     processes = [subprocess.Popen([*CLI, "compile", str(tiny_checkpoints[arch]), "-o", str(target)],
