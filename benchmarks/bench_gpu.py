@@ -16,8 +16,12 @@ at a budget is reported as agreement with the full path, not as task quality):
 
 Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`), `inductor-ro` (mode reduce-overhead: inductor + CUDA graphs),
 `rbc-graphs` (the rbcompile artifact module, eager regions, one CUDA graph per plan and bucket),
-`rbc-ind-graphs` (the same with inductor-compiled regions), and for decoding `rbc-backend`
-(torch.compile(backend="rbcompile", options={"cuda_graphs": True})). Times are medians of CUDA-
+`rbc-ind-graphs` (the same with inductor-compiled regions), `rbc-plan-graphs` (one inductor
+graph per plan, rbcompile/plan_graphs.py), `rbc-k-graphs` / `rbc-k-noseams-graphs` (rbcompile's
+Triton kernels, with and without seams: the residual add fused into the next region's norm), and
+for decoding `rbc-backend` (torch.compile(backend="rbcompile", options={"cuda_graphs": True})),
+`rbc-backend-plan` (the same with `regions="plan"`) and `rbc-generate-plan` (`rbc-generate`
+through plan graphs). Times are medians of CUDA-
 event-timed runs after warm-up; every contender's full path is checked against eager in the same
 dtype (rbcompile/placement.py tolerances). Contenders that would start after `--deadline-s` are
 skipped and listed. `--smoke` runs tiny configs (on CPU too) to test the script itself.
@@ -35,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-CASES = ("bert", "smol-decode", "llama1b", "smol-prefill")  # the order they run in
+CASES = ("smol-decode", "llama1b", "bert", "smol-prefill")  # run order: unmeasured first
 BUDGETS = (0.25, 0.5)
 
 
@@ -182,20 +186,26 @@ def prefill_case(case: Case, model, batch, seq, args):
     if case.device.type == "cuda":
         case.contender("inductor-ro", lambda: hf(torch.compile(model, mode="reduce-overhead"), True))
 
-    def artifact(regions):
+    def artifact(engine="interp", kernels=False, seams=True):
         def setup():
-            compiled = rbcompile.compile(model)
-            if regions:
+            compiled = rbcompile.compile(model, kernels=kernels)
+            compiled.module.fuse_seams = seams
+            if engine == "regions":
                 compiled.compile_regions()
+            elif engine == "plan":
+                compiled.compile_plans()
             if case.device.type == "cuda":
                 compiled.use_cuda_graphs()
             name = compiled.output_names[0]
             return (lambda budget: compiled(ids, mask, budget=budget)[name]), reference
         return setup
 
-    label = "rbc-graphs" if case.device.type == "cuda" else "rbc"
-    case.contender(label, artifact(False), (None, *BUDGETS))
-    case.contender(label.replace("rbc", "rbc-ind"), artifact(True), (None, *BUDGETS))
+    graphs = "-graphs" if case.device.type == "cuda" else ""
+    case.contender(f"rbc{graphs}", artifact(), (None, *BUDGETS))
+    case.contender(f"rbc-ind{graphs}", artifact("regions"), (None, *BUDGETS))
+    case.contender(f"rbc-plan{graphs}", artifact("plan"), (None, BUDGETS[0]))
+    case.contender(f"rbc-k{graphs}", artifact(kernels=True), (None, BUDGETS[0]))
+    case.contender(f"rbc-k-noseams{graphs}", artifact(kernels=True, seams=False), (None,))
 
 
 def decode_case(case: Case, model, prompt, new, args):
@@ -231,21 +241,28 @@ def decode_case(case: Case, model, prompt, new, args):
     backend.reset()
     case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile",
                                                         options=options)), (None, *BUDGETS))
-    def artifact_generate():
-        import rbcompile
+    case.contender("rbc-backend-plan", patched(torch.compile(
+        forward, backend="rbcompile", options={**options, "regions": "plan"})), (None,))
+    def artifact_generate(plans=False):
+        def setup():
+            import rbcompile
 
-        model.forward = forward  # trace the model itself, not a compiled forward
-        compiled = rbcompile.compile(model)
-        compiled.hf_config["eos_token_id"] = None  # all `new` tokens, like the others
-        if case.device.type == "cuda":
-            compiled.use_cuda_graphs()
+            model.forward = forward  # trace the model itself, not a compiled forward
+            compiled = rbcompile.compile(model)
+            compiled.hf_config["eos_token_id"] = None  # all `new` tokens, like the others
+            if plans:
+                compiled.compile_plans()
+            if case.device.type == "cuda":
+                compiled.use_cuda_graphs()
 
-        def run(budget):
-            result = compiled.generate(ids, max_new_tokens=new, budget=budget)
-            return torch.tensor(result.tokens, device=case.device)
-        return run, reference
+            def run(budget):
+                result = compiled.generate(ids, max_new_tokens=new, budget=budget)
+                return torch.tensor(result.tokens, device=case.device)
+            return run, reference
+        return setup
 
-    case.contender("rbc-generate", artifact_generate, (None, *BUDGETS))
+    case.contender("rbc-generate", artifact_generate(), (None, *BUDGETS))
+    case.contender("rbc-generate-plan", artifact_generate(plans=True), (None, BUDGETS[0]))
     handled = [g.handled_by for g in backend.compiled_graphs()]
     for row in case.rows:
         if row["contender"] == "rbc-backend" and "check" in row:

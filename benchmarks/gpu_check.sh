@@ -62,7 +62,7 @@ for name in ${STEPS:-test_kernels bench_kernels bench_gpu}; do
         test_kernels) step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -x ;;
         bench_kernels) step bench_kernels 120 "$PY" benchmarks/bench_kernels.py --csv "$OUT/bench_kernels.csv" ;;
         bench_gpu) step bench_gpu 330 "$PY" benchmarks/bench_gpu.py --out "$OUT" --deadline-s "${DEADLINE_S:-240}" \
-                          --cases "${CASES:-bert,smol-decode,llama1b,smol-prefill}" --skip "${SKIP:-}" ;;
+                          --cases "${CASES:-smol-decode,llama1b,bert,smol-prefill}" --skip "${SKIP:-}" ;;
         *) echo "gpu_check: unknown step $name" >&2; false ;;
     esac || rc=1
 done

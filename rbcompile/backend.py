@@ -7,8 +7,10 @@
 Dynamo hands the backend a torch-level graph with parameters as placeholders. aot_autograd lowers
 it to ATen (keeping `nn_module_stack`); `to_pipeline_graph` turns the weights into constants and
 names the inputs; then the graph runs the same passes and codegen as `rbcompile compile`. The
-generated module's regions are compiled with inductor on CPU (`regions="eager"` keeps them
-eager); gates are chosen in Python at every call, so a new decision never recompiles.
+generated module's regions are compiled with inductor (`regions="eager"` keeps them eager;
+`regions="plan"` compiles one inductor graph per plan instead, see plan_graphs.py); gates are
+chosen in Python at every call, so a new decision never recompiles (with "plan", a plan's first
+call compiles it).
 
 A graph without transformer layers (a fragment between graph breaks) has nothing to adapt and
 goes to inductor. A graph rbcompile cannot handle is logged and falls back to inductor;
@@ -30,6 +32,7 @@ from torch.fx import GraphModule
 from .compiler import generate_module
 from .cuda_graphs import GraphCache, plan_key
 from .module import compile_regions
+from .plan_graphs import compile_plans
 from .errors import CompileError, first_line
 from .ir import RESERVED_NAMES
 from .passes import PassContext, run_pipeline
@@ -37,19 +40,20 @@ from .plans import check_budget, plan_for_budget, skipped_share
 
 logger = logging.getLogger("rbcompile.backend")
 
-REGION_COMPILERS = ("inductor", "eager")
+REGION_COMPILERS = ("inductor", "eager", "plan")
 
 
 @dataclass(frozen=True)
 class BackendOptions:
     """`torch.compile(..., options={...})` of the rbcompile backend."""
     budget: float | None = None  # default budget when no `decision` is active (None: full path)
-    regions: str = "inductor"    # how the generated regions run: "inductor" or "eager"
+    regions: str = "inductor"    # how the regions run: "inductor" (each compiled), "eager",
+    #                              or "plan" (one inductor graph per plan, plan_graphs.py)
     strict: bool = False         # raise on a graph rbcompile cannot compile (no fallback)
     kernels: bool | None = None  # fuse norms / activations into rbcompile's kernels (None: on CUDA)
     dump_pass: str | None = None  # write the graph before/after this pass (see passes/)
     cuda_graphs: bool = False    # CUDA inputs: one CUDA graph per (plan, shapes); see cuda_graphs.py
-    max_graphs: int = 16         # bound on the captured graphs of one compiled graph
+    max_graphs: int = 16         # bound on the CUDA graphs (and plan graphs) of one graph
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
@@ -259,11 +263,13 @@ def _compile_aten(aten_gm: GraphModule, names, values, options: BackendOptions,
     run_pipeline(gm, ctx)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
     outputs = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-    _, _, module = generate_module(gm, ctx.regions, input_names,
+    ir, _, module = generate_module(gm, ctx.regions, input_names,
                                    [f"output_{i}" for i in range(len(outputs))],
                                    f"torch.compile graph {record.index}")
     if options.regions == "inductor":
         compile_regions(module)
+    elif options.regions == "plan":
+        compile_plans(module, ir, max_plans=options.max_graphs)
     record.handled_by, record.regions, record.num_gates = "rbcompile", ctx.regions, module.NUM_GATES
     record.passes = ctx.history
     logger.info("graph %d: %d regions, %d gates; %s", record.index, len(ctx.regions),

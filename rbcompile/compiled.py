@@ -14,6 +14,7 @@ from .cuda_graphs import GraphCache, plan_key
 from .decoder import DECODER_GRAPH, DECODER_SOURCE, STEP_INPUTS, Decoder
 from .kv_cache import DecoderShape
 from .module import attach_weights, compile_regions, instantiate, weights
+from .plan_graphs import PlanGraphs, compile_plans
 from .errors import UserError, first_line
 from .ir import check_ir
 from .models import copy_tokenizer_files
@@ -55,6 +56,7 @@ class CompiledModel:
                  tokenizer_dir: Path | None, hf_config: dict, decoder: Decoder | None = None):
         self.module = module
         self.decoder = decoder  # decoders: the KV-cached module generate() runs
+        self.plan_graphs: PlanGraphs | None = None  # compile_plans
         self.ir = ir
         self.source = source
         self.manifest = manifest
@@ -271,6 +273,16 @@ class CompiledModel:
     def compile_regions(self) -> "CompiledModel":
         """Compile the generated regions with inductor (first calls per shape are slow)."""
         compile_regions(self.module)
+        return self
+
+    def compile_plans(self, max_plans: int = 8) -> "CompiledModel":
+        """Run the model, and the KV-cached decoder's steps, through one inductor graph per
+        plan (rbcompile/plan_graphs.py): a plan's first call compiles the whole model (tens of
+        seconds on CPU); at most `max_plans` graphs each are kept."""
+        self.plan_graphs = compile_plans(self.module, self.ir, max_plans=max_plans)
+        if self.decoder is not None:
+            self.decoder.plan_graphs = compile_plans(self.decoder.module, self.decoder.ir,
+                                                     max_plans=max_plans)
         return self
 
     def plan_for_budget(self, budget: float) -> tuple[list[bool], list[float] | None]:

@@ -14,6 +14,7 @@ import torch
 
 from .cuda_graphs import GraphCache, plan_key
 from .kv_cache import DecoderShape
+from .plan_graphs import PlanGraphs
 
 DECODER_GRAPH, DECODER_SOURCE = "decoder_graph.json", "decoder.py"
 # the step's inputs before the cache tensors (trace.CachedDecoder's calling convention)
@@ -33,6 +34,7 @@ class Decoder:
         self.unit_gates = {region["name"]: region["gate"] for region in ir["regions"]
                            if region["kind"] == "prunable"}
         self.graphs: GraphCache | None = None
+        self.plan_graphs: PlanGraphs | None = None  # CompiledModel.compile_plans
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
                         capture=None) -> "Decoder":

@@ -3,21 +3,31 @@ regions. Used by the compiler and by artifact loading alike; imports nothing of 
 (loading an artifact never imports the passes)."""
 from __future__ import annotations
 
+import itertools
 import linecache
+import sys
+import types
+import weakref
 
 import torch
 
 from .errors import UserError
 
+_module_ids = itertools.count()
 
-def instantiate(source: str, tag: str, namespace: dict | None = None) -> torch.nn.Module:
-    """Execute generated source (and only that) in `namespace` (default: a fresh one) and
-    return an empty GeneratedModel."""
+
+def instantiate(source: str, tag: str) -> torch.nn.Module:
+    """Execute generated source (and only that) in a fresh module and return an empty
+    GeneratedModel. The module is importable (`sys.modules`, under a name of its own) while
+    the model lives: dynamo imports the module of every global the code it inlines reads."""
     filename = f"<rbcompile generated {tag}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"__name__": "rbcompile_generated"} if namespace is None else namespace
-    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
-    return namespace["GeneratedModel"]()
+    namespace = types.ModuleType(f"rbcompile_generated_{next(_module_ids)}")
+    exec(compile(source, filename, "exec"), vars(namespace))  # noqa: S102 - our generated code
+    sys.modules[namespace.__name__] = namespace
+    model = namespace.GeneratedModel()
+    weakref.finalize(model, sys.modules.pop, namespace.__name__, None)
+    return model
 
 
 def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

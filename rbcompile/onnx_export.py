@@ -12,13 +12,11 @@ only then renamed into place.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import subprocess
 import sys
 import tempfile
 import time
-import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +29,6 @@ EXAMPLE_SHAPE = (2, 16)         # batch x sequence traced (the fixed shape with 
 VALIDATION_SHAPES = ((3, 11), (1, 6), (2, 9))
 ATOL, RTOL = 1e-4, 1e-5  # |onnx - torch| <= ATOL + RTOL * max |torch| of that output
 VALIDATION_BUDGET = 0.3
-_module_ids = itertools.count()
 
 
 @dataclass
@@ -73,33 +70,26 @@ def baked_widths(compiled, budget: float | None) -> list[float] | None:
     return compiled.plan_for_budget(budget)[1]
 
 
-@contextmanager
 def _cond_module(compiled, widths):
     """The cond-guarded twin of `compiled.module` sharing its weights, as a module taking
-    (input_ids, attention_mask, gates). Its namespace is importable while in use: dynamo
-    imports the module of every global the traced code reads."""
+    (input_ids, attention_mask, gates)."""
     import torch
 
     from .codegen import generate_source
     from .module import attach_weights, instantiate, weights
 
-    namespace = types.ModuleType(f"rbcompile_onnx_{next(_module_ids)}")
-    sys.modules[namespace.__name__] = namespace
-    try:
-        inner = instantiate(generate_source(compiled.ir, guards="cond"), "cond", vars(namespace))
-        attach_weights(inner, weights(compiled.module))
+    inner = instantiate(generate_source(compiled.ir, guards="cond"), "cond")
+    attach_weights(inner, weights(compiled.module))
 
-        class Gated(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inner = inner
+    class Gated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
 
-            def forward(self, input_ids, attention_mask, gates):
-                return self.inner(input_ids, attention_mask, gates, widths)
+        def forward(self, input_ids, attention_mask, gates):
+            return self.inner(input_ids, attention_mask, gates, widths)
 
-        yield Gated().eval()
-    finally:
-        del sys.modules[namespace.__name__]
+    return Gated().eval()
 
 
 def _example(compiled, shape):
@@ -131,7 +121,8 @@ def _to_onnx(compiled, widths, opset: int, dynamic: bool):
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), _cond_module(compiled, widths) as module:
+        with warnings.catch_warnings():
+            module = _cond_module(compiled, widths)
             warnings.simplefilter("ignore")  # torchvision absent, pytree deprecations, axis names
             program = torch.export.export(module, (input_ids, attention_mask, gates),
                                           dynamic_shapes=shapes)

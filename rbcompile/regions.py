@@ -78,63 +78,116 @@ def run_region(module, region: Region, env: dict, gates, widths=None,
         if region.kind == "cache" and guards == "python":
             values = module.region_cache.lookup(region.id, compute, *args)
         else:
-            values = _as_tuple(region, compute(*args))
+            values = compute(*args)
+            values = values if len(region.outputs) > 1 else (values,)
         env.update(zip(region.outputs, values))
-    _drop(region, env)
-
-
-def _as_tuple(region: Region, values) -> tuple:
-    """A region method's result as a tuple of its outputs."""
-    return values if len(region.outputs) > 1 else (values,)
-
-
-def _drop(region: Region, env: dict) -> None:
     for name in region.drop:
-        env.pop(name, None)  # a seam's sum never enters `env`
+        del env[name]
 
 
 def _runs_full(region: Region, gates, widths) -> bool:
     """`region` runs its full-width method under these gates and widths."""
     return region.kind == "skeleton" or (
-        region.kind == "prunable" and bool(gates[region.gate])
+        region.kind == "prunable" and gates[region.gate]
         and width_method(region, widths) == region.method)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a plan: `method` computes `outputs` from `inputs` (names of values), or,
+    for a skipped region (`method` None), `outputs[0]` is `inputs[0]`; then `drop` goes."""
+    region: Region
+    method: str | None
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    drop: tuple[str, ...]
+
+
+_MAX_PLANS_KEPT = 512  # plans whose steps a module keeps
+
+
+def seam_terms(sum_name: str) -> tuple[str, str]:
+    """The names a plan gives the two terms of an open seam's sum."""
+    return f"{sum_name}_residual", f"{sum_name}_branch"
+
+
+def _apart(names, sum_name: str | None, on: bool) -> tuple[str, ...]:
+    return tuple(part for name in names
+                 for part in (seam_terms(name) if on and name == sum_name else (name,)))
+
+
+def _plan_steps(regions: tuple[Region, ...], gates: tuple[bool, ...], widths, seams: bool):
+    steps, open_seam = [], False
+    for index, region in enumerate(regions):
+        closes = open_seam
+        open_seam = bool(seams and region.seams[1] is not None
+                         and (closes or _runs_full(region, gates, widths))
+                         and _runs_full(regions[index + 1], gates, widths))
+        sum_in, sum_out = region.seams
+        inputs = _apart(region.inputs, sum_in, closes)
+        drop = region.drop + (seam_terms(sum_in) if closes else ())
+        if closes or open_seam:
+            variant = "+".join(side for side, on in (("in", closes), ("out", open_seam)) if on)
+            method = dict(region.seam_methods)[variant]
+        elif region.kind == "prunable":
+            out, stream_in = region.skip
+            if not gates[region.gate]:
+                steps.append(Step(region, None, (stream_in,), (out,), drop))
+                continue
+            method = width_method(region, widths)
+        else:
+            method = region.method
+        steps.append(Step(region, method, inputs, _apart(region.outputs, sum_out, open_seam),
+                          drop))
+    return tuple(steps)
+
+
+def plan_steps(module, gates, widths=None) -> tuple[Step, ...]:
+    """The steps `module` runs for one plan (gates as bools, widths), in order: each region's
+    method at the width level it runs at, skipped regions as identities, and seams
+    (passes/mark_seams.py): when a region that ends in a residual add and the region after it
+    both run at full width, the first leaves the add open (its seam method returns the sum's
+    two terms) and the second adds them inside its first norm (one fused kernel instead of an
+    add and a norm); not with `module.fuse_seams` set to False."""
+    key = (tuple(bool(g) for g in gates), None if widths is None else tuple(widths),
+           bool(getattr(module, "fuse_seams", True)))
+    cache = module.__dict__.setdefault("_steps_by_plan", {})
+    if key not in cache:
+        if len(cache) >= _MAX_PLANS_KEPT:
+            cache.clear()
+        cache[key] = _plan_steps(module.REGIONS, *key)
+    return cache[key]
+
+
+def run_steps(module, steps, env: dict) -> dict:
+    """Run `steps` (see `plan_steps`) of `module` on the values in `env`; cache regions are
+    looked up in the module's shape-keyed cache."""
+    for step in steps:
+        if step.method is None:
+            env[step.outputs[0]] = env[step.inputs[0]]
+        else:
+            args = [env[name] for name in step.inputs]
+            compute = getattr(module, step.method)
+            if step.region.kind == "cache":
+                values = module.region_cache.lookup(step.region.id, compute, *args)
+            else:
+                values = compute(*args)
+                values = values if len(step.outputs) > 1 else (values,)
+            env.update(zip(step.outputs, values))
+        for name in step.drop:
+            env.pop(name, None)  # a seam's sum never enters `env`
+    return env
 
 
 def run_regions(module, env: dict, gates, widths=None, guards: str = "python") -> dict:
     """Run every region of `module` (its `REGIONS`, in order) on `env`, the graph inputs by
-    name; returns `env`, which then holds the graph outputs (see `run_region`).
-
-    Seams (passes/mark_seams.py): when a region that ends in a residual add and the region
-    after it both run at full width, the first leaves the add open (its seam method returns
-    the sum's two terms) and the second adds them inside its first norm (one fused kernel
-    instead of an add and a norm). Not with `guards="cond"`, nor with `module.fuse_seams`
-    set to False."""
-    regions = module.REGIONS
-    seams = guards == "python" and getattr(module, "fuse_seams", True)
-    terms = None  # the two terms of the sum the previous region left open
-    for index, region in enumerate(regions):
-        closes = terms is not None
-        opens = (seams and region.seams[1] is not None
-                 and (closes or _runs_full(region, gates, widths))
-                 and _runs_full(regions[index + 1], gates, widths))
-        if not (closes or opens):
+    name; returns `env`, which then holds the graph outputs. `guards="python"`: the steps of
+    this plan (`plan_steps`); "cond": each region through `run_region`."""
+    if guards == "cond":
+        for region in module.REGIONS:
             run_region(module, region, env, gates, widths, guards)
-            continue
-        sum_in, sum_out = region.seams
-        args = [value for name in region.inputs
-                for value in (terms if closes and name == sum_in else (env[name],))]
-        variant = "+".join(side for side, on in (("in", closes), ("out", opens)) if on)
-        values = getattr(module, dict(region.seam_methods)[variant])(*args)
-        terms = None
-        if opens:
-            at = region.outputs.index(sum_out)
-            env.update(zip(region.outputs[:at] + region.outputs[at + 1:],
-                           values[:at] + values[at + 2:]))
-            terms = values[at:at + 2]
-        else:
-            env.update(zip(region.outputs, _as_tuple(region, values)))
-        _drop(region, env)
-    return env
+        return env
+    return run_steps(module, plan_steps(module, gates, widths), env)
 
 
 def _cond(gate, branch, stream: int, operands: list):

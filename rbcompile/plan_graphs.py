@@ -1,0 +1,121 @@
+"""One compiled graph per plan: a plan's steps (regions.plan_steps) written as straight-line
+Python and compiled whole with torch.compile, so inductor fuses across region boundaries and
+a call runs one graph with no region interpreter in between.
+
+`PlanGraphs` stands in for a generated module's `forward` (`compile_plans`). For each plan
+(gates, widths) it writes the plan's function once (`source`), compiles it on first use and
+keeps at most `max_plans` of them, least recently used dropped; each plan is its own function,
+so dynamo's guards and recompile limit apply per plan. Cache regions are computed in the graph
+(no shape-keyed lookup), skipped regions are renamings, seams are taken as the interpreter
+takes them. Compared with per-region compilation (`compile_regions`), a new plan costs a
+compile of the whole model and a call costs one graph; CUDA graphs per plan (cuda_graphs.py)
+capture the compiled plan as they capture the interpreter.
+"""
+from __future__ import annotations
+
+import linecache
+import logging
+import types
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CompileError
+from .regions import plan_steps, seam_terms
+
+logger = logging.getLogger("rbcompile.plan_graphs")
+
+
+def plan_source(module, steps, results) -> str:
+    """The Python of one plan's function `plan(self, *module.INPUTS)`: one line per step,
+    returning the values named `results` (the graph's outputs)."""
+    names = {*module.INPUTS, *(name for r in module.REGIONS for name in (*r.inputs, *r.outputs))}
+    terms = {term for r in module.REGIONS for name in r.seams if name for term in seam_terms(name)}
+    if terms & names:
+        raise CompileError(f"seam term names {sorted(terms & names)} collide with graph values")
+    lines = [f"def plan(self, {', '.join(module.INPUTS)}):"]
+    defined = set(module.INPUTS)
+    for step in steps:
+        if step.method is None:
+            lines.append(f"    {step.outputs[0]} = {step.inputs[0]}  # region {step.region.id} "
+                         "skipped")
+        else:
+            lines.append(f"    {', '.join(step.outputs)} = self.{step.method}"
+                         f"({', '.join(step.inputs)})")
+        defined.update(step.outputs)
+        dead = [name for name in step.drop if name in defined]
+        if dead:
+            lines.append(f"    del {', '.join(dead)}")
+            defined.difference_update(dead)
+    return "\n".join(lines + [f"    return ({', '.join(results)},)"]) + "\n"
+
+
+@dataclass
+class PlanStats:
+    compiles: int = 0    # plan functions written and compiled
+    calls: int = 0
+    evictions: int = 0
+
+
+class PlanGraphs:
+    """A generated module's `forward` through one compiled function per plan (see the module
+    docstring): `results` names the values its `forward` returns (the IR's outputs);
+    `compiler(fn)` compiles a plan function (default: inductor)."""
+
+    def __init__(self, module, results, *, max_plans: int = 8, compiler=None):
+        if max_plans < 1:
+            raise ValueError("max_plans must be >= 1")
+        self.module, self.results, self.max_plans = module, tuple(results), max_plans
+        self.compiler = compiler or (lambda fn: torch.compile(fn, backend="inductor"))
+        self._plans: OrderedDict[tuple, object] = OrderedDict()
+        self.stats = PlanStats()
+
+    def source(self, gates, widths=None) -> str:
+        """The function this plan runs, as Python."""
+        return plan_source(self.module, plan_steps(self.module, gates, widths), self.results)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def keys(self) -> list[tuple]:
+        return list(self._plans)
+
+    def _function(self, gates, widths):
+        key = (tuple(bool(g) for g in gates), None if widths is None else tuple(widths),
+               bool(getattr(self.module, "fuse_seams", True)))
+        function = self._plans.get(key)
+        if function is not None:
+            self._plans.move_to_end(key)
+            return function
+        source = self.source(gates, widths)
+        filename = f"<rbcompile plan {len(self._plans) + self.stats.evictions}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        namespace: dict = {}
+        exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - written just above
+        function = self.compiler(types.MethodType(namespace["plan"], self.module))
+        self.stats.compiles += 1
+        logger.info("plan %s: compiled (%d kept)", key, len(self._plans) + 1)
+        self._plans[key] = function
+        if len(self._plans) > self.max_plans:
+            self._plans.popitem(last=False)
+            self.stats.evictions += 1
+        return function
+
+    def __call__(self, *args, gates=None, widths=None):
+        count = len(self.module.INPUTS)
+        inputs, rest = args[:count], list(args[count:])
+        gates = rest.pop(0) if rest else gates
+        widths = rest.pop(0) if rest else widths
+        self.stats.calls += 1
+        with torch.no_grad():  # inference graphs: nothing to differentiate
+            return tuple(self._function(gates, widths)(*inputs))
+
+
+def compile_plans(module, ir: dict, *, max_plans: int = 8, compiler=None) -> PlanGraphs:
+    """Run `module` (generated from `ir`) through one compiled graph per plan from now on;
+    returns the `PlanGraphs` now standing in for its `forward`."""
+    plans = PlanGraphs(module, [name for _, name in ir["outputs"]], max_plans=max_plans,
+                       compiler=compiler)
+    module.forward = plans
+    return plans

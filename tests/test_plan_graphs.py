@@ -1,0 +1,110 @@
+"""One compiled graph per plan (rbcompile/plan_graphs.py): the plan's straight-line source, its
+equality with the region interpreter, the bound on kept plans, and inductor through the
+artifact, its KV-cached decoder and the torch.compile backend."""
+import itertools
+
+import pytest
+import torch
+
+import rbcompile
+from conftest import eager_outputs, make_tiny_model, max_diff, random_batch
+from rbcompile.plan_graphs import PlanGraphs, compile_plans
+from rbcompile.regions import plan_steps
+
+
+def _eagerly(fn):
+    return fn
+
+
+@pytest.fixture(scope="module")
+def fused_llama():
+    return rbcompile.compile(make_tiny_model("llama"), kernels=True)
+
+
+def test_plan_source_is_one_line_per_step(fused_llama):
+    module = fused_llama.module
+    gates = [True, False] * 4
+    source = PlanGraphs(module, ["linear_28"]).source(gates)
+    steps = plan_steps(module, gates)
+    assert source.startswith("def plan(self, input_ids, attention_mask):")
+    assert source.count("self.r") == sum(step.method is not None for step in steps)
+    assert source.count("skipped") == 4
+    assert "run_regions" not in source and source.rstrip().endswith("return (linear_28,)")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_every_plan_function_equals_the_interpreter(arch):
+    compiled = rbcompile.compile(make_tiny_model(arch), kernels=arch == "llama")
+    module = compiled.module
+    ids, mask = random_batch(2, 9)
+    plans = list(itertools.product([True, False], repeat=module.NUM_GATES))
+    with torch.no_grad():
+        expected = [module(ids, mask, list(gates)) for gates in plans]
+    graphs = compile_plans(module, compiled.ir, max_plans=len(plans), compiler=_eagerly)
+    for gates, outputs in zip(plans, expected):
+        got = module(ids, mask, list(gates))
+        assert all(torch.equal(a, b) for a, b in zip(got, outputs)), gates
+    assert graphs.stats.compiles == len(plans) == len(graphs)
+
+
+def test_width_levels_run_in_the_plan_function(calibrated_tiny):
+    compiled = calibrated_tiny["llama"]
+    ids, mask = random_batch(2, 9)
+    gates, widths = [True] * compiled.num_gates, [0.5] * compiled.num_gates
+    with torch.no_grad():
+        expected = compiled.module(ids, mask, gates, widths)
+    graphs = compile_plans(compiled.module, compiled.ir, compiler=_eagerly)
+    try:
+        assert "_w" in graphs.source(gates, widths)  # the narrowed methods
+        got = compiled.module(ids, mask, gates, widths=widths)
+    finally:
+        del compiled.module.forward
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_kept_plans_are_bounded_least_recently_used_first():
+    compiled = rbcompile.compile(make_tiny_model("llama"))
+    graphs = compile_plans(compiled.module, compiled.ir, max_plans=2, compiler=_eagerly)
+    ids, mask = random_batch(1, 5)
+    full, light, lighter = [True] * 8, [True] * 7 + [False], [False] * 8
+    for gates in (full, light, full, lighter):
+        compiled.module(ids, mask, gates)
+    assert graphs.stats.compiles == 3 and graphs.stats.evictions == 1
+    assert [key[0] for key in graphs.keys()] == [tuple(full), tuple(lighter)]
+    with pytest.raises(ValueError, match="max_plans"):
+        PlanGraphs(compiled.module, ["x"], max_plans=0)
+
+
+def test_inductor_plan_graphs_match_eager_in_the_artifact_and_its_decoder(tiny_checkpoints):
+    compiled = rbcompile.compile(tiny_checkpoints["llama"], kernels=True)
+    eager = make_tiny_model("llama")
+    ids, mask = random_batch(2, 9)
+    prompt = torch.tensor([[1, 5, 9, 14, 22, 31]])
+    light = compiled(ids, mask, budget=0.5)["logits"]
+    tokens = compiled.generate(prompt, max_new_tokens=6).tokens
+    compiled.compile_plans(max_plans=4)
+    assert max_diff(compiled(ids, mask), eager_outputs(eager, ids, mask)) <= 1e-5
+    assert (compiled(ids, mask, budget=0.5)["logits"] - light).abs().max().item() <= 1e-5
+    assert compiled.plan_graphs.stats.compiles == 2
+    assert compiled.generate(prompt, max_new_tokens=6).tokens == tokens
+    assert compiled.decoder.plan_graphs.stats.compiles == 1
+
+
+def test_backend_runs_one_graph_per_plan():
+    from rbcompile import backend
+
+    torch._dynamo.reset()
+    backend.reset()
+    model = make_tiny_model("llama")
+    compiled = torch.compile(model, backend="rbcompile", options={"strict": True,
+                                                                 "regions": "plan"})
+    ids, mask = random_batch(2, 9)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, use_cache=False).logits
+        got = compiled(ids, attention_mask=mask, use_cache=False).logits
+        with backend.decision(budget=0.5):
+            compiled(ids, attention_mask=mask, use_cache=False)
+    assert (expected - got).abs().max().item() <= 1e-5
+    (graph,) = backend.compiled_graphs()
+    assert graph.handled_by == "rbcompile" and graph.calls == 2
+    torch._dynamo.reset()
