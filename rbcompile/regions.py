@@ -2,11 +2,13 @@
 interpreter that runs them.
 
 Every generated module (codegen.py) lists its regions in run order as `REGIONS`, a tuple of
-`Region`s. Its `forward`, the staged runner (rbcompile/staged.py) and calibration read method
-names from that table and run regions through `run_region`: a cache region through the module's
+`Region`s. The staged runner (rbcompile/staged.py) and calibration read method names from that
+table and run regions one at a time through `run_region`: a cache region through the module's
 shape-keyed cache, a skeleton region always, a prunable region only when its gate is on (off:
 its output is the residual stream it reads, an identity) and at the width level `width_level`
-picks for `widths[gate]`.
+picks for `widths[gate]`. A whole forward runs a plan's `plan_steps` (the same choices, plus
+seams between regions that both run) through `run_steps`, or, compiled, through
+rbcompile/plan_graphs.py, which writes the same steps as Python.
 """
 from __future__ import annotations
 
