@@ -25,25 +25,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_medians, pin_threads, print_table, text_windows, write_json  # noqa: E402
+from common import (interleaved_medians, load_with_eager, pin_threads, print_table,  # noqa: E402
+                    text_windows, write_json)
 
-import rbcompile  # noqa: E402
 from rbcompile import quality  # noqa: E402
-from rbcompile.models import load_hf_model, resolve_checkpoint  # noqa: E402
 from rbcompile.onnx_export import OnnxRunner, export_onnx, session_options  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 SHAPES = {"encoder": (8, 64), "decoder": (2, 128)}   # batch x tokens timed per family
 QUALITY_BATCHES = 4                                    # held-out batches of that shape
-
-
-def _load(name: str):
-    """(CompiledModel, eager transformers model) of an artifact folder or a bundled name."""
-    if Path(name).is_dir():
-        compiled = rbcompile.load(name)
-        source = compiled.manifest["source"]["path"]
-        return compiled, load_hf_model(resolve_checkpoint(source))
-    return rbcompile.compile(name), load_hf_model(resolve_checkpoint(name))
 
 
 class _Plain(torch.nn.Module):
@@ -105,8 +95,8 @@ def _held_out(compiled, shape, labelled, classifier):
 def bench_model(name: str, budgets: list[float], rounds: int, threads: int, classifier,
                 labelled) -> list[dict]:
     with step(f"loading {name}"):
-        compiled, eager = _load(name)
-        inductor_regions, _ = _load(name)
+        compiled, eager = load_with_eager(name)
+        inductor_regions, _ = load_with_eager(name)
     family = compiled.family
     shape = SHAPES[family]
     input_ids, mask = text_windows(compiled.tokenizer, *shape)

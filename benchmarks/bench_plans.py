@@ -29,27 +29,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_medians, pin_threads, print_table, text_windows, write_json  # noqa: E402
+from common import (interleaved_medians, load_with_eager, pin_threads, print_table,  # noqa: E402
+                    text_windows, write_json)
 
-import rbcompile  # noqa: E402
 from rbcompile import quality  # noqa: E402
-from rbcompile.models import load_hf_model, resolve_checkpoint  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 SHAPES = {"encoder": (8, 64), "decoder": (1, 128)}   # batch x tokens of the prefill, per family
 ENGINES = ("interp", "regions", "plan")
 
 
-def _load(name: str):
-    """(CompiledModel, transformers model) of an artifact folder or a bundled name."""
-    if Path(name).is_dir():
-        compiled = rbcompile.load(name)
-        return compiled, load_hf_model(resolve_checkpoint(compiled.manifest["source"]["path"]))
-    return rbcompile.compile(name), load_hf_model(resolve_checkpoint(name))
-
-
 def _engine(name: str, engine: str):
-    compiled, _ = _load(name)
+    compiled, _ = load_with_eager(name)
     if engine == "regions":
         compiled.compile_regions()
     elif engine == "plan":
@@ -75,7 +66,7 @@ def _budget_quality(family: str, out, full, mask) -> str:
 def bench_prefill(name: str, budgets: list[float], rounds: int) -> list[dict]:
     with step(f"loading {name} four times (one per engine, and transformers)"):
         engines = {engine: _engine(name, engine) for engine in ENGINES}
-        _, eager = _load(name)
+        _, eager = load_with_eager(name)
     interp = engines["interp"]
     family, output = interp.family, interp.output_names[0]
     ids, mask = text_windows(interp.tokenizer, *SHAPES[family])
@@ -120,7 +111,7 @@ def bench_prefill(name: str, budgets: list[float], rounds: int) -> list[dict]:
 
 def bench_decode(name: str, new_tokens: int, rounds: int) -> list[dict]:
     with step(f"loading {name} for decoding"):
-        interp, eager = _load(name)
+        interp, eager = load_with_eager(name)
         plan = _engine(name, "plan")
     ids, _ = text_windows(interp.tokenizer, 1, 16)
     settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
@@ -169,7 +160,7 @@ def main() -> None:
     rows = []
     for name in args.models:
         rows += bench_prefill(name, args.budgets, args.rounds)
-        if _load(name)[0].decoder is not None:
+        if load_with_eager(name)[0].decoder is not None:
             rows += bench_decode(name, args.new_tokens, max(3, args.rounds // 2))
     table = [{**r, "median": f"{r['median_ms']:.1f}", "first": f"{r['first_call_s']:.1f}",
               "ratios": (f"{r['vs_eager']:.2f}x / {r['vs_inductor']:.2f}x" if "vs_eager" in r

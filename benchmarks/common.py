@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: pinned threads, interleaved timing, medians, tables, JSON."""
+"""Shared benchmark helpers: pinned threads, models, interleaved timing, medians, tables, JSON."""
 from __future__ import annotations
 
 import json
@@ -18,6 +18,18 @@ RESULTS = Path(__file__).parent / "results"
 def pin_threads(threads: int) -> None:
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def load_with_eager(name: str):
+    """(CompiledModel, eager transformers model) of an artifact folder or a bundled name
+    (compiled here, without calibration)."""
+    import rbcompile
+    from rbcompile.models import load_hf_model, resolve_checkpoint
+
+    if Path(name).is_dir():
+        compiled = rbcompile.load(name)
+        return compiled, load_hf_model(resolve_checkpoint(compiled.manifest["source"]["path"]))
+    return rbcompile.compile(name), load_hf_model(resolve_checkpoint(name))
 
 
 def text_windows(tokenizer, batch: int, seq: int, file: str = "emma-excerpt.txt"):

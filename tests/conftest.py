@@ -70,6 +70,18 @@ def tiny_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def fused_tiny():
+    """arch -> (CompiledModel with rbcompile's fused kernels, eager model) for the tiny configs."""
+    import rbcompile
+
+    out = {}
+    for arch in ARCHS:
+        eager = make_tiny_model(arch)
+        out[arch] = (rbcompile.compile(eager, kernels=True), eager)
+    return out
+
+
+@pytest.fixture(scope="session")
 def compiled_tiny(tiny_checkpoints):
     """arch -> (CompiledModel, eager transformers model) for the tiny checkpoints."""
     import rbcompile

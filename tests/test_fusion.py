@@ -17,15 +17,6 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def fused_tiny():
-    out = {}
-    for arch in EXPECTED:
-        eager = make_tiny_model(arch)
-        out[arch] = (rbcompile.compile(eager, kernels=True), eager)
-    return out
-
-
 def _inputs(batch=2, seq=9):
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(3, TINY_VOCAB, (batch, seq), generator=generator)

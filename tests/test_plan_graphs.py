@@ -16,13 +16,8 @@ def _eagerly(fn):
     return fn
 
 
-@pytest.fixture(scope="module")
-def fused_llama():
-    return rbcompile.compile(make_tiny_model("llama"), kernels=True)
-
-
-def test_plan_source_is_one_line_per_step(fused_llama):
-    module = fused_llama.module
+def test_plan_source_is_one_line_per_step(fused_tiny):
+    module = fused_tiny["llama"][0].module
     gates = [True, False] * 4
     source = PlanGraphs(module, ["linear_28"]).source(gates)
     steps = plan_steps(module, gates)

@@ -7,27 +7,10 @@ import pytest
 import torch
 
 import rbcompile
-from conftest import TINY_VOCAB, eager_outputs, make_tiny_model, max_diff
+from conftest import eager_outputs, max_diff, random_batch
 from rbcompile.codegen import generate_source
 from rbcompile.errors import UserError
 from rbcompile.ir import check_ir
-
-
-@pytest.fixture(scope="module")
-def fused():
-    out = {}
-    for arch in ("llama", "gpt2", "bert"):
-        eager = make_tiny_model(arch)
-        out[arch] = (rbcompile.compile(eager, kernels=True), eager)
-    return out
-
-
-def _inputs(batch=2, seq=9):
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, TINY_VOCAB, (batch, seq), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[-1, :3] = 0
-    return ids, mask
 
 
 def _seams(ir: dict) -> list[dict]:
@@ -37,8 +20,8 @@ def _seams(ir: dict) -> list[dict]:
 # 4 pre-LN layers: attention -> MLP -> next attention ... -> final norm, 8 guards; BERT is
 # post-LN: its adds and norms share a region (fuse_kernels' add_layer_norm)
 @pytest.mark.parametrize("arch, expected", [("llama", 8), ("gpt2", 8), ("bert", 0)])
-def test_pass_marks_a_seam_at_every_pre_ln_guard(fused, arch, expected):
-    compiled, _ = fused[arch]
+def test_pass_marks_a_seam_at_every_pre_ln_guard(fused_tiny, arch, expected):
+    compiled, _ = fused_tiny[arch]
     (entry,) = [p for p in compiled.manifest["passes"] if p["pass"] == "mark_seams"]
     assert entry["stats"]["seams"] == expected
     nodes = {node[0]: node for node in compiled.ir["nodes"]}
@@ -58,9 +41,9 @@ def test_no_seams_without_kernels(compiled_tiny):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_every_gate_set_equals_the_regions_run_apart(fused, arch):
-    compiled, eager = fused[arch]
-    ids, mask = _inputs()
+def test_every_gate_set_equals_the_regions_run_apart(fused_tiny, arch):
+    compiled, eager = fused_tiny[arch]
+    ids, mask = random_batch(2, 9)
     module = compiled.module
     assert max_diff(compiled(ids, mask), eager_outputs(eager, ids, mask)) <= 1e-5
     for gates in itertools.product([True, False], repeat=module.NUM_GATES):
@@ -84,15 +67,15 @@ def _called(module, gates) -> list[str]:
         module.__dict__[name] = record
     try:
         with torch.no_grad():
-            module(*_inputs(), gates)
+            module(*random_batch(2, 9), gates)
     finally:
         for name in names:
             del module.__dict__[name]
     return called
 
 
-def test_seam_methods_run_only_when_both_sides_run(fused):
-    compiled, _ = fused["llama"]
+def test_seam_methods_run_only_when_both_sides_run(fused_tiny):
+    compiled, _ = fused_tiny["llama"]
     module = compiled.module
     prunable = [r for r in module.REGIONS if r.kind == "prunable"]  # regions 3..10, gates 0..7
     head = module.REGIONS[-1]
@@ -116,17 +99,17 @@ def test_seam_methods_run_only_when_both_sides_run(fused):
         module.fuse_seams = True
 
 
-def test_artifact_round_trip_keeps_the_seams(fused, tmp_path):
-    compiled, _ = fused["gpt2"]
+def test_artifact_round_trip_keeps_the_seams(fused_tiny, tmp_path):
+    compiled, _ = fused_tiny["gpt2"]
     loaded = rbcompile.load(compiled.save(tmp_path / "seams"))
     assert "rbcompile_ops.add_layer_norm.default" in loaded.source
-    ids, mask = _inputs()
+    ids, mask = random_batch(2, 9)
     assert torch.equal(loaded(ids, mask)["logits"], compiled(ids, mask)["logits"])
 
 
 @pytest.mark.parametrize("tamper", ["norm", "add", "reader"])
-def test_tampered_seam_is_refused(fused, tamper):
-    compiled, _ = fused["llama"]
+def test_tampered_seam_is_refused(fused_tiny, tamper):
+    compiled, _ = fused_tiny["llama"]
     ir = copy.deepcopy(compiled.ir)
     region = _seams(ir)[0]
     if tamper == "norm":  # a node that is not the norm reading the sum
