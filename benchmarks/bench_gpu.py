@@ -263,11 +263,14 @@ def decode_case(case: Case, model, prompt, new, args):
 
     case.contender("rbc-generate", artifact_generate(), (None, *BUDGETS))
     case.contender("rbc-generate-plan", artifact_generate(plans=True), (None, BUDGETS[0]))
-    handled = [g.handled_by for g in backend.compiled_graphs()]
+    graphs = backend.compiled_graphs()  # both backend contenders' (0 gates: not adaptive)
+    handled = [g.handled_by for g in graphs]
+    gates = sorted({g.num_gates for g in graphs if g.handled_by == "rbcompile"})
     for row in case.rows:
-        if row["contender"] == "rbc-backend" and "check" in row:
+        if row["contender"].startswith("rbc-backend") and "check" in row:
             row["graphs"] = {by: handled.count(by) for by in set(handled)}
-            row["check"] += f"; graphs {row['graphs']}"
+            row["gates"] = gates
+            row["check"] += f"; graphs {row['graphs']}, gates {gates}"
     model.forward = forward
     for row in case.rows:
         if "ms" in row:
