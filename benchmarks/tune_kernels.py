@@ -6,11 +6,13 @@
 Per kernel and width, in bf16 at `--tokens` rows (default 4096): every candidate config
 (`candidates`: rows per program x warps for the norms, block x warps for the elementwise
 kernels) is checked once against the reference, then timed through the real launcher under
-configs.override with triton.testing.do_bench (median ms, L2 flushed; warmup 5 ms, rep 20 ms),
-beside the config the table gives now, the eager reference and the torch.compile'd reference
-(dynamic=False, one compile per shape). The fastest config and the compiled reference are also
-timed with do_bench_cudagraph (`graph`: back-to-back calls in one CUDA graph, so no host overhead,
-and no L2 flush, so inputs that fit in L2 stay there); `wall_us` is the wall time per call of
+configs.override, beside the config the table gives now, the eager reference and the
+torch.compile'd reference (dynamic=False, one compile per shape), by the timer `--pick` names:
+`graph` (the default) is triton.testing.do_bench_cudagraph (back-to-back calls in one CUDA
+graph: no host overhead, and no L2 flush, so inputs that fit in L2 stay there; what a captured
+plan sees), `bench` is do_bench (median ms, L2 flushed; warmup 5 ms, rep 20 ms), which at these
+sizes measures launch and flush noise more than the kernel. The fastest config and the compiled
+reference are also shown with do_bench_cudagraph (`graph`); `wall_us` is the wall time per call of
 100 back-to-back calls of the table's config and of the compiled reference: about max(host
 overhead, GPU time). Where do_bench differs but the graph times agree, the difference is launch
 overhead, not the kernel.
@@ -57,6 +59,10 @@ def parse_args(argv=None):
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the torch.compile'd reference")
     parser.add_argument("--rep", type=int, default=20, help="do_bench rep in ms (default 20)")
+    parser.add_argument("--pick", choices=("graph", "bench"), default="graph",
+                        help="time that picks the config: graph (do_bench_cudagraph, the "
+                        "default: kernel time without host overhead or L2 flush, as in a "
+                        "captured plan) or bench (do_bench)")
     return parser.parse_args(argv)
 
 
@@ -125,6 +131,11 @@ class Timer:
 
     def ms(self, fn):
         return self.testing.do_bench(fn, warmup=5, rep=self.rep, return_mode="median")
+
+    def picking_ms(self, fn, pick):
+        """The time `--pick` compares configs by (do_bench where no CUDA graph can be made)."""
+        graph = self.graph_ms(fn) if pick == "graph" else None
+        return self.ms(fn) if graph is None else graph
 
     def graph_ms(self, fn):
         try:
@@ -196,29 +207,30 @@ def report(kernel, width, tokens, config, best, table, eager, compiled, graphs, 
     return not flag
 
 
-def sweep(kernel, width, tokens, timer, compiled, contenders):
-    """Time `contenders` (configs) of `kernel` at `tokens` x `width`, then the table's config
-    (the plain launcher), the eager and compiled references, and print the line. Returns
-    (best config, best ms, table ms, met: not slower than the compiled reference)."""
+def sweep(kernel, width, tokens, timer, compiled, contenders, pick):
+    """Time `contenders` (configs) of `kernel` at `tokens` x `width` by `pick`'s timer, then
+    the table's config (the plain launcher), the eager and compiled references, and print the
+    line. Returns (best config, best ms, table ms, met: not slower than the compiled
+    reference)."""
     import torch
 
     launcher, reference, inputs, _ = make_case(kernel, tokens, width, torch.bfloat16, "cuda")
     times = []
     for config in contenders:
         if correct(launcher, reference, inputs, config):
-            times.append((timer.ms(bind(launcher, inputs, config)), config))
+            times.append((timer.picking_ms(bind(launcher, inputs, config), pick), config))
         else:
             print(f"# {kernel} {width}x{tokens}: {label(config)} gives wrong results; skipped",
                   flush=True)
-    table_ms = timer.ms(bind(launcher, inputs))
+    table_ms = timer.picking_ms(bind(launcher, inputs), pick)
     best_ms, best = min(times, key=lambda item: item[0])
-    compiled_ms = timer.ms(bind(compiled, inputs)) if compiled else None
+    compiled_ms = timer.picking_ms(bind(compiled, inputs), pick) if compiled else None
     graphs = (timer.graph_ms(bind(launcher, inputs, best)),
               timer.graph_ms(bind(compiled, inputs)) if compiled else None)
     walls = (timer.wall_us(bind(launcher, inputs)),
              timer.wall_us(bind(compiled, inputs)) if compiled else None)
-    met = report(kernel, width, tokens, best, best_ms, table_ms, timer.ms(bind(reference, inputs)),
-                 compiled_ms, graphs, walls)
+    met = report(kernel, width, tokens, best, best_ms, table_ms,
+                 timer.picking_ms(bind(reference, inputs), pick), compiled_ms, graphs, walls)
     return best, best_ms, table_ms, met
 
 
@@ -234,13 +246,13 @@ def tune_shape(kernel, width, args, timer):
     compiled = None if args.no_compile else torch.compile(reference, dynamic=False)
     current = configs.config(kernel, width)
     best, best_ms, table_ms, met = sweep(kernel, width, args.tokens, timer, compiled,
-                                         candidates(kernel, width))
+                                         candidates(kernel, width), args.pick)
     chosen = best if best_ms * KEEP < table_ms else current
     if args.decode_tokens:  # the table's and the chosen config, once each if they launch alike
         contenders = {launch_params(kernel, args.decode_tokens, width, c): c
                       for c in (chosen, current)}
         met &= sweep(kernel, width, args.decode_tokens, timer, compiled,
-                     list(contenders.values()))[3]
+                     list(contenders.values()), args.pick)[3]
     return chosen, met
 
 
@@ -265,8 +277,9 @@ def main(argv=None):
     widths = [int(w) for w in args.widths.split(",") if w]
     start = time.perf_counter()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-          f"{_triton.triton.__version__}, bf16; ms = do_bench median, graph = do_bench_cudagraph "
-          f"median; comp/ms > 1: faster than torch.compile; '<' marks a miss", flush=True)
+          f"{_triton.triton.__version__}, bf16; ms = median of the picking timer (--pick "
+          f"{args.pick}), graph = do_bench_cudagraph median; comp/ms > 1: faster than "
+          f"torch.compile; '<' marks a miss", flush=True)
 
     rows = [n for n in (args.tokens, args.decode_tokens) if n]
     jobs = [(kernel, width, n, config) for kernel in kernels for width in widths
