@@ -14,6 +14,7 @@ import fcntl
 import os
 import shutil
 import signal
+import threading
 import tempfile
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -25,21 +26,56 @@ Owned = Callable[[Path], "set[str] | None"]  # files a folder's marker lists, or
 _SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
+class _Held:
+    """The signals one `signals_held` block has caught, and whether to drop them."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.dropped = False
+
+    def __call__(self, signum, frame):
+        self.received.append(signum)
+
+
+_blocks: list[_Held] = []  # the open `signals_held` blocks of the main thread, innermost last
+
+
 @contextlib.contextmanager
 def signals_held():
-    """Delay SIGINT / SIGTERM until the block ends (they are delivered then)."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    """Delay SIGINT / SIGTERM until the block ends (they are delivered then, unless
+    `discard_held_signals` dropped them). They are masked in this thread and, in the main
+    thread, caught by a recording handler: a signal sent to the process can be taken by any
+    thread that does not mask it, and CPython then runs the handler in the main thread."""
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    held, handlers = _Held(), {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {signum: signal.signal(signum, held) for signum in _SIGNALS}
+        _blocks.append(held)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if held.dropped:
+            _drain_masked()
+        if handlers:
+            _blocks.pop()
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        for signum in () if held.dropped else dict.fromkeys(held.received):
+            signal.raise_signal(signum)
+
+
+def _drain_masked() -> None:
+    while signal.sigtimedwait(_SIGNALS, 0) is not None:
+        pass
 
 
 def discard_held_signals() -> None:
-    """Drop the SIGINT / SIGTERM held (inside `signals_held`) so far: the work they would stop
-    is complete, and the command ends as it would have without them."""
-    while signal.sigtimedwait(_SIGNALS, 0) is not None:
-        pass
+    """Drop the SIGINT / SIGTERM held by the innermost `signals_held` block, until it ends: the
+    work they would stop is complete, and the command ends as it would have without them."""
+    _drain_masked()
+    if _blocks:
+        _blocks[-1].dropped = True
 
 
 @contextlib.contextmanager

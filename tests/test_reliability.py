@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -143,19 +144,43 @@ def test_signal_during_the_swap_does_not_undo_a_finished_write(tmp_path, monkeyp
         raise RuntimeError("signal delivered after the swap")
 
     swap = atomic._swap
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)  # a thread that does not mask the signals
+    other.start()
 
     def swap_then_signalled(new, out_dir):
         swap(new, out_dir)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)              # to the process (this thread masks it)
+        signal.pthread_kill(other.ident, signal.SIGTERM)  # taken by the other thread
+        time.sleep(0.05)
 
     monkeypatch.setattr(atomic, "_swap", swap_then_signalled)
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         atomic.write_folder(tmp_path / "out", lambda tmp: (tmp / "a.txt").write_text("new"),
                             lambda folder: {"a.txt"}, "a test folder")
+        time.sleep(0.05)  # a handler still to run would run by now
     finally:
         signal.signal(signal.SIGTERM, previous)
+        done.set()
+        other.join()
     assert (tmp_path / "out" / "a.txt").read_text() == "new"
+
+
+def test_signal_in_a_held_block_is_delivered_when_it_ends():
+    from rbcompile import atomic
+
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        with atomic.signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert received == []
+        time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [signal.SIGTERM]
 
 
 def test_concurrent_compiles_to_one_output(tiny_checkpoints, tmp_path):
