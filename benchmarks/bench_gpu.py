@@ -202,8 +202,8 @@ def prefill_case(case: Case, model, batch, seq, args):
 
     graphs = "-graphs" if case.device.type == "cuda" else ""
     case.contender(f"rbc{graphs}", artifact(), (None, *BUDGETS))
-    case.contender(f"rbc-ind{graphs}", artifact("regions"), (None, *BUDGETS))
     case.contender(f"rbc-plan{graphs}", artifact("plan"), (None, BUDGETS[0]))
+    case.contender(f"rbc-ind{graphs}", artifact("regions"), (None, *BUDGETS))
     case.contender(f"rbc-k{graphs}", artifact(kernels=True), (None, BUDGETS[0]))
     case.contender(f"rbc-k-noseams{graphs}", artifact(kernels=True, seams=False), (None,))
 
@@ -237,12 +237,7 @@ def decode_case(case: Case, model, prompt, new, args):
     case.contender("eager", patched(forward))
     if case.device.type == "cuda":
         case.contender("inductor-ro", patched(forward, hf_compile=True))
-    options = {"cuda_graphs": case.device.type == "cuda", "regions": "eager"}
-    backend.reset()
-    case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile",
-                                                        options=options)), (None, *BUDGETS))
-    case.contender("rbc-backend-plan", patched(torch.compile(
-        forward, backend="rbcompile", options={**options, "regions": "plan"})), (None,))
+
     def artifact_generate(plans=False):
         def setup():
             import rbcompile
@@ -263,6 +258,12 @@ def decode_case(case: Case, model, prompt, new, args):
 
     case.contender("rbc-generate", artifact_generate(), (None, *BUDGETS))
     case.contender("rbc-generate-plan", artifact_generate(plans=True), (None, BUDGETS[0]))
+    options = {"cuda_graphs": case.device.type == "cuda", "regions": "eager"}
+    backend.reset()
+    case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile",
+                                                        options=options)), (None, *BUDGETS))
+    case.contender("rbc-backend-plan", patched(torch.compile(
+        forward, backend="rbcompile", options={**options, "regions": "plan"})), (None,))
     graphs = backend.compiled_graphs()  # both backend contenders' (0 gates: not adaptive)
     handled = [g.handled_by for g in graphs]
     gates = sorted({g.num_gates for g in graphs if g.handled_by == "rbcompile"})
