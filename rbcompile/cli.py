@@ -223,6 +223,13 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ms", type=float, default=100.0, help="decode-step (inter-token) latency "
                    "objective of the pid policy (default 100)")
     p.add_argument("--policy-file", metavar="DIR", help="ppo: a folder written by train-policy")
+    _placement_options(p, "serve on this device (default cpu)",
+                       "must be the dtype the artifact was compiled in (a check)")
+    p.add_argument("--compile-plans", action="store_true", help="run the model and the decoder "
+                   "through one inductor graph per plan (a plan's first use compiles it: tens "
+                   "of seconds)")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA only: one CUDA graph per "
+                   "plan and shape (decode steps: per batch and cache size)")
     p.add_argument("--ray", action="store_true", help="serve --replicas copies under Ray Serve, "
                    "its proxy on --host / --port, one controller for all (the 'ray' extra)")
     p.add_argument("--replicas", type=int, default=None, help="--ray: replicas, each loading the "
@@ -580,7 +587,11 @@ def _cmd_serve(args) -> None:
     except ImportError as exc:
         raise UserError(f"rbcompile serve needs the 'serve' extra ({exc.name} is missing): "
                         "pip install 'rbcompile[serve]'") from None
-    model = rbcompile.load(args.artifact)
+    model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
+    if args.compile_plans:
+        model.compile_plans()
+    if args.cuda_graphs:
+        model.use_cuda_graphs()
     policy = _serve_policy(args, model)
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
     app = create_app(model, api_key=api_key, limits=limits, max_batch=args.max_batch,
@@ -596,6 +607,10 @@ def _serve_ray(args, api_key: str | None) -> None:
     from .errors import UserError
     from .runtime.ray_serving import import_ray, serve_on_ray
 
+    if args.device or args.dtype or args.compile_plans or args.cuda_graphs:
+        raise UserError("--device, --dtype, --compile-plans and --cuda-graphs are not passed "
+                        "to Ray replicas (they load the artifact on CPU as compiled); drop them "
+                        "or --ray")
     args.replicas = 2 if args.replicas is None else args.replicas
     args.replica_cpus = 1.0 if args.replica_cpus is None else args.replica_cpus
     if args.replicas < 1 or not args.replica_cpus > 0:

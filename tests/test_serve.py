@@ -448,6 +448,30 @@ def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
     assert client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).status_code == 200
 
 
+def test_cli_serve_compiles_plans_and_refuses_cuda_graphs_on_cpu(tmp_path, llama, monkeypatch,
+                                                                capsys):
+    import uvicorn
+
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app))
+    artifact = llama.save(tmp_path / "artifact")
+    assert main(["serve", str(artifact), "--cuda-graphs"]) == 2
+    assert capsys.readouterr().err.strip() == ("rbcompile: error: CUDA graphs need the model on "
+                                               "a CUDA device (it is on cpu)")
+    assert main(["serve", str(artifact), "--ray", "--compile-plans"]) == 2
+    assert "are not passed to Ray replicas" in capsys.readouterr().err
+    assert not served
+    assert main(["serve", str(artifact), "--compile-plans", "--device", "cpu",
+                 "--dtype", "fp32"]) == 0
+    client = TestClient(served["app"])
+    expected = llama.generate([llama.tokenizer("the a of")["input_ids"]], max_new_tokens=6)
+    response = client.post("/v1/completions", json={"prompt": "the a of", "max_tokens": 6,
+                                                    "temperature": 0})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["text"] == llama.tokenizer.decode(expected.tokens[0])
+    assert served["app"].state.engine.step_fn.plan_graphs.stats.compiles >= 1
+
+
 def test_concurrent_completions_share_batch_steps_and_keep_their_tokens(llama):
     """Six completions at once (ASGI, concurrently), half with `speculate: ngram`: the engine
     decodes them together, verifying the n-gram drafts in its batch steps, and each text is
