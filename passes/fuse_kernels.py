@@ -1,10 +1,10 @@
 """Replace norm and activation patterns with the fused kernels of `rbcompile.kernels`.
 
 Requires: `ctx:regions` (a pattern is fused only when all its nodes lie in one region, so
-guarded branches keep their boundaries; mark_seams then fuses across them). Runs only with `ctx.kernels` set (on by
-default for CUDA; on CPU the kernels run their PyTorch references, which inductor cannot fuse
-through). Ensures: the graph computes the same values; fused nodes keep the region, kind and
-unit of the node they replace.
+guarded branches keep their boundaries; mark_seams then fuses across them). Runs only with
+`ctx.kernels` set (on by default for CUDA; on CPU the kernels run their PyTorch references,
+which inductor cannot fuse through). Ensures: the graph computes the same values; fused nodes
+keep the region, kind and unit of the node they replace.
 
 Patterns, on ATen graphs from torch.export and from the torch.compile backend (aot_autograd):
 - HF RMSNorm: `w * (x * rsqrt(mean(x^2, -1) + eps))` (with fp32 casts) -> `rms_norm`;

@@ -35,12 +35,12 @@ def _residual_add(node: Node) -> bool:
             and all(v.shape == vals[0].shape and v.dtype == vals[0].dtype for v in vals[1:]))
 
 
-def _seam(gm: GraphModule, region: dict, following: dict, order: dict) -> dict | None:
-    """The seam between `region` and the region after it, or None."""
+def _seam(nodes: dict[str, Node], region: dict, following: dict, order: dict) -> dict | None:
+    """The seam between `region` and the region after it, or None (`nodes`: the graph's by
+    name, `order`: their positions)."""
     if region["kind"] not in ("skeleton", "prunable") or following["kind"] not in ("skeleton",
                                                                                   "prunable"):
         return None
-    nodes = {n.name: n for n in gm.graph.nodes}
     for name in region["outputs"]:
         add = nodes.get(name)
         if add is None or add.meta.get(REGION) != region["id"] or not _residual_add(add):
@@ -65,10 +65,11 @@ def mark_seams(gm: GraphModule, ctx: PassContext) -> PassReport:
     if not ctx.kernels:
         return PassReport(False, "off (fused kernels not requested)")
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    nodes = {node.name: node for node in order}
     marked = []
     for region, following in zip(ctx.regions, ctx.regions[1:]):
         region.pop("seam", None)
-        seam = _seam(gm, region, following, order)
+        seam = _seam(nodes, region, following, order)
         if seam is not None:
             region["seam"] = seam
             marked.append(f"{region['id']}->{following['id']}")

@@ -108,13 +108,17 @@ def _region_method(region: dict, nodes: list, params, variant: dict | None = Non
 SEAM_VARIANTS = {"in": "add_norm", "out": "unadded", "in+out": "add_norm_unadded"}
 
 
+def _seams(ir: dict, region: dict) -> tuple[dict | None, dict | None]:
+    """The seam `region` may close (the previous region's) and the one it may open (its own)."""
+    previous = ir["regions"][region["id"] - 1] if region["id"] else {}
+    return previous.get("seam"), region.get("seam")
+
+
 def _seam_variants(ir: dict, region: dict) -> dict[str, str]:
     """Seam variant -> method of `region`: "in" takes the previous region's open sum as its two
     terms and adds them in its first norm, "out" leaves its own last residual add open (returns
     the two terms), "in+out" both."""
-    previous = ir["regions"][region["id"] - 1] if region["id"] else {}
-    sides = [side for side, seam in (("in", previous.get("seam")), ("out", region.get("seam")))
-             if seam]
+    sides = [side for side, seam in zip(("in", "out"), _seams(ir, region)) if seam]
     keys = [*sides, "+".join(sides)] if len(sides) == 2 else sides
     return {key: f"{_method_name(region)}_{SEAM_VARIANTS[key]}" for key in keys}
 
@@ -148,11 +152,11 @@ def _add_in_norm(nodes: list, seam: dict, taken: set[str]) -> list:
 
 def _seam_methods(ir: dict, region: dict, nodes: list, params, taken: set[str]) -> list[str]:
     """`region`'s seam variants (see `_seam_variants`)."""
-    previous = ir["regions"][region["id"] - 1] if region["id"] else {}
+    closes, opens = _seams(ir, region)
     lines = []
     for key, name in _seam_variants(ir, region).items():
-        seam_in = previous["seam"] if "in" in key else None
-        seam_out = region["seam"] if "out" in key else None
+        seam_in = closes if "in" in key else None
+        seam_out = opens if "out" in key else None
         body = _add_in_norm(nodes, seam_in, taken) if seam_in else nodes
         outputs = _apart(region["outputs"], seam_out)
         if seam_out:
@@ -161,7 +165,7 @@ def _seam_methods(ir: dict, region: dict, nodes: list, params, taken: set[str]) 
                 seam_in["add"] in references([n[2], list(n[3].values())]) for n in body):
             body = [node for node in body if node[0] != seam_in["add"]]  # the sum is unread
         what = " and ".join(
-            [*([f"adding region {previous['id']}'s open residual add in its first norm"]
+            [*([f"adding region {region['id'] - 1}'s open residual add in its first norm"]
                if seam_in else []),
              *(["leaving its last residual add open"] if seam_out else [])])
         lines += ["", *_method(f"{_INDENT}# region {region['id']} {what}", name,
@@ -192,8 +196,7 @@ def _table(ir: dict, variants: list[dict]) -> list[str]:
                      *([f"levels={levels!r}"] if levels else [])]
         seam_methods = _seam_variants(ir, region)
         if seam_methods:
-            seams = tuple(ir["regions"][i]["seam"]["add"] if i >= 0 and "seam" in ir["regions"][i]
-                          else None for i in (region["id"] - 1, region["id"]))
+            seams = tuple(seam and seam["add"] for seam in _seams(ir, region))
             rows.append(f"seams={seams!r}, seam_methods={tuple(seam_methods.items())!r}")
         rows += [f"drop={tuple(drop)!r}"] if drop else []
         lines.append(f"{_INDENT * 2}Region({new_row.join(rows)}),")

@@ -213,14 +213,17 @@ def _check_seams(ir: dict) -> None:
     """Each region's `seam` (passes/mark_seams.py) names its own residual add `residual +
     branch`, one of its outputs, and the norm of the next region that reads the sum first; no
     other region and no graph output reads the sum."""
+    seams = [(region, region["seam"]) for region in ir["regions"] if "seam" in region]
+    if not seams:
+        return
     nodes = {node[0]: node for node in ir["nodes"]}
-    for region in ir["regions"]:
-        seam = region.get("seam")
-        if seam is None:
-            continue
+    readers_of = {seam["add"]: [] for _, seam in seams}
+    for node in ir["nodes"]:
+        for name in set(references([node[2], list(node[3].values())])) & readers_of.keys():
+            readers_of[name].append(node)
+    for region, seam in seams:
         add, norm = nodes.get(seam["add"]), nodes.get(seam["norm"])
-        readers = [node for node in ir["nodes"]
-                   if seam["add"] in references([node[2], list(node[3].values())])]
+        readers = readers_of[seam["add"]]
         if (add is None or norm is None
                 or add[1:] != ["aten.add.Tensor", [{"node": seam["residual"]},
                                                    {"node": seam["branch"]}], {}, region["id"]]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CompileError
-from .regions import plan_steps, seam_terms
+from .regions import plan_cache_key, plan_steps, seam_terms
 
 logger = logging.getLogger("rbcompile.plan_graphs")
 
@@ -82,8 +82,7 @@ class PlanGraphs:
         return list(self._plans)
 
     def _function(self, gates, widths):
-        key = (tuple(bool(g) for g in gates), None if widths is None else tuple(widths),
-               bool(getattr(self.module, "fuse_seams", True)))
+        key = plan_cache_key(self.module, gates, widths)
         function = self._plans.get(key)
         if function is not None:
             self._plans.move_to_end(key)

@@ -144,6 +144,12 @@ def _plan_steps(regions: tuple[Region, ...], gates: tuple[bool, ...], widths, se
     return tuple(steps)
 
 
+def plan_cache_key(module, gates, widths=None) -> tuple:
+    """What makes `module`'s steps differ between calls: the gates, the widths, seams on."""
+    return (tuple(bool(g) for g in gates), None if widths is None else tuple(widths),
+            bool(getattr(module, "fuse_seams", True)))
+
+
 def plan_steps(module, gates, widths=None) -> tuple[Step, ...]:
     """The steps `module` runs for one plan (gates as bools, widths), in order: each region's
     method at the width level it runs at, skipped regions as identities, and seams
@@ -151,8 +157,7 @@ def plan_steps(module, gates, widths=None) -> tuple[Step, ...]:
     both run at full width, the first leaves the add open (its seam method returns the sum's
     two terms) and the second adds them inside its first norm (one fused kernel instead of an
     add and a norm); not with `module.fuse_seams` set to False."""
-    key = (tuple(bool(g) for g in gates), None if widths is None else tuple(widths),
-           bool(getattr(module, "fuse_seams", True)))
+    key = plan_cache_key(module, gates, widths)
     cache = module.__dict__.setdefault("_steps_by_plan", {})
     if key not in cache:
         if len(cache) >= _MAX_PLANS_KEPT:
