@@ -1,6 +1,7 @@
 """Capture a transformers model as an ATen-level torch.fx graph with torch.export."""
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -50,7 +51,7 @@ def _export(model, kwargs, dims: dict, family: str):
         return torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
 
 
-def _export_or_retry(export, what: str):
+def export_or_retry(export, what: str):
     """`export(dims)` with named dimensions first; where an older torch finds a narrower valid
     range than that (torch 2.11 on some decoders: "Constraints violated (seq)"), `Dim.DYNAMIC`
     lets export refine the range instead of failing, and the runtime's own input checks stay in
@@ -88,7 +89,7 @@ def _trace(model: torch.nn.Module, architecture: Architecture, config=None) -> T
                  1: dynamic or torch.export.Dim("seq", min=1, max=limit)}
         return _export(model, kwargs, named, family)
 
-    exported = _export_or_retry(export, type(model).__name__)
+    exported = export_or_retry(export, type(model).__name__)
     return TracedModel(exported.module(), architecture.inputs, _output_names(exported), limit)
 
 
@@ -177,8 +178,15 @@ class CachedDecoder(torch.nn.Module):
             attention_mask = _layer_masks(config, attention_mask, position_ids, cache_position,
                                           self.model.dtype)["sliding_attention"]
         return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids, cache=static, use_cache=True,
-                          logits_to_keep=logit_positions).logits
+                          position_ids=position_ids, use_cache=True,
+                          logits_to_keep=logit_positions, **{cache_keyword(self.model): static}).logits
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a transformers model takes its Cache object by: `cache` in recent transformers,
+    `past_key_values` in older ones (5.17, the GPU machine's). Both forwards take `**kwargs`, so
+    the wrong name would be dropped silently and the model would make a cache of its own."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _layer_masks(config, attention_mask, position_ids, cache_position, dtype) -> dict:
@@ -285,5 +293,11 @@ def trace_cached(model: torch.nn.Module, architecture: Architecture, max_len: in
             return torch.export.export(wrapper, tuple(example[n] for n in names),
                                        dynamic_shapes=shapes, strict=False)
 
-    exported = _export_or_retry(export, f"{type(model).__name__} with a KV cache")
-    return TracedModel(_unwrap(exported.module(), names), names, ["logits"], max_len)
+    exported = export_or_retry(export, f"{type(model).__name__} with a KV cache")
+    graph_module = _unwrap(exported.module(), names)
+    writes = sum(node.target is torch.ops.aten.index_copy_.default for node in graph_module.graph.nodes)
+    if writes != 2 * dims.layers:
+        raise CompileError(f"the KV-cached trace of {type(model).__name__} writes {writes} cache "
+                           f"tensors in place, not {2 * dims.layers} (a transformers version whose "
+                           "cache interface rbcompile does not know?)")
+    return TracedModel(graph_module, names, ["logits"], max_len)

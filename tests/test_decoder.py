@@ -45,6 +45,19 @@ def test_decoder_graph_writes_the_cache_in_the_skeleton_and_gates_the_mlps(saved
                                         "cache_position", "logit_positions"]
 
 
+def test_a_trace_that_writes_no_cache_is_refused(compiled_tiny, monkeypatch):
+    """A transformers whose forward takes the cache by a name rbcompile does not pass would make
+    a cache of its own and leave the given tensors unwritten: compile says so."""
+    from rbcompile import trace
+    from rbcompile.architectures import lookup
+    from rbcompile.errors import CompileError
+
+    eager = compiled_tiny["llama"][1]
+    monkeypatch.setattr(trace, "cache_keyword", lambda model: "a_cache_nobody_reads")
+    with pytest.raises(CompileError, match="writes 0 cache tensors in place, not 8"):
+        trace.trace_cached(eager, lookup(eager.config), 32)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_decoder_projects_only_the_logit_positions_asked_for(saved, arch):
     """A prefill asks for its last position's logits only; they equal that row of the full

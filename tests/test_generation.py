@@ -15,6 +15,7 @@ from rbcompile.errors import UserError
 from rbcompile.generation import AutoPolicy, generate, stream
 from rbcompile.kv_cache import DecoderShape
 from rbcompile.sampling import SamplingConfig
+from rbcompile.trace import cache_keyword
 
 EOS = 2
 LIGHT_GATES = [True, False, True, False]   # the light path skips the MLPs of layers 1 and 3
@@ -38,8 +39,8 @@ class KVWrapper(torch.nn.Module):
             layer.cumulative_length = start.clone()
             layer.is_initialized = True
         return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids, cache=cache, use_cache=True,
-                          logits_to_keep=logit_positions).logits
+                          position_ids=position_ids, use_cache=True, logits_to_keep=logit_positions,
+                          **{cache_keyword(self.model): cache}).logits
 
 
 def _zeros(hidden, *args, **kwargs):
