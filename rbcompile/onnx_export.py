@@ -110,13 +110,18 @@ def _to_onnx(compiled, widths, opset: int, dynamic: bool):
 
     import torch
 
+    from .trace import export_or_retry
+
     input_ids, attention_mask = _example(compiled, EXAMPLE_SHAPE)
     gates = torch.ones(compiled.num_gates, dtype=torch.bool)
-    shapes = None
-    if dynamic:
-        axes = {0: torch.export.Dim("batch"),
-                1: torch.export.Dim("sequence", max=compiled.max_positions)}
-        shapes = {"input_ids": axes, "attention_mask": axes, "gates": None}
+
+    def dynamic_shapes(dim=None):  # named axes, or `dim` (Dim.DYNAMIC) for both
+        if not dynamic:
+            return None
+        axes = {0: dim or torch.export.Dim("batch"),
+                1: dim or torch.export.Dim("sequence", max=compiled.max_positions)}
+        return {"input_ids": axes, "attention_mask": axes, "gates": None}
+
     logger = logging.getLogger("torch.onnx")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -124,8 +129,10 @@ def _to_onnx(compiled, widths, opset: int, dynamic: bool):
         with warnings.catch_warnings():
             module = _cond_module(compiled, widths)
             warnings.simplefilter("ignore")  # torchvision absent, pytree deprecations, axis names
-            program = torch.export.export(module, (input_ids, attention_mask, gates),
-                                          dynamic_shapes=shapes)
+            program = export_or_retry(lambda dim: torch.export.export(
+                module, (input_ids, attention_mask, gates), dynamic_shapes=dynamic_shapes(dim)),
+                "the ONNX module")
+            shapes = dynamic_shapes()
             onnx_program = torch.onnx.export(program, dynamic_shapes=shapes,  # names the axes
                                              input_names=list(INPUT_NAMES),
                                              output_names=compiled.output_names,
