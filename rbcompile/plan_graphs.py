@@ -9,10 +9,13 @@ so dynamo's guards and recompile limit apply per plan. Cache regions are compute
 (no shape-keyed lookup), skipped regions are renamings, seams are taken as the interpreter
 takes them. Compared with per-region compilation (`compile_regions`), a new plan costs a
 compile of the whole model and a call costs one graph; CUDA graphs per plan (cuda_graphs.py)
-capture the compiled plan as they capture the interpreter.
+capture the compiled plan as they capture the interpreter. A plan whose compile fails (an
+inductor bug: torch 2.11's CPU code generator on the KV-cached decoder's causal mask) runs
+through the region interpreter from then on, with a warning and `stats.failures` counted.
 """
 from __future__ import annotations
 
+import functools
 import linecache
 import logging
 import types
@@ -56,6 +59,7 @@ class PlanStats:
     compiles: int = 0    # plan functions written and compiled
     calls: int = 0
     evictions: int = 0
+    failures: int = 0    # plans whose compile failed: they run through the interpreter
 
 
 class PlanGraphs:
@@ -68,6 +72,7 @@ class PlanGraphs:
             raise ValueError("max_plans must be >= 1")
         self.module, self.results, self.max_plans = module, tuple(results), max_plans
         self.compiler = compiler or (lambda fn: torch.compile(fn, backend="inductor"))
+        self.interpreter = types.MethodType(type(module).forward, module)  # the region interpreter
         self._plans: OrderedDict[tuple, object] = OrderedDict()
         self.stats = PlanStats()
 
@@ -81,8 +86,7 @@ class PlanGraphs:
     def keys(self) -> list[tuple]:
         return list(self._plans)
 
-    def _function(self, gates, widths):
-        key = plan_cache_key(self.module, gates, widths)
+    def _function(self, key, gates, widths):
         function = self._plans.get(key)
         if function is not None:
             self._plans.move_to_end(key)
@@ -107,8 +111,22 @@ class PlanGraphs:
         gates = rest.pop(0) if rest else gates
         widths = rest.pop(0) if rest else widths
         self.stats.calls += 1
+        key = plan_cache_key(self.module, gates, widths)
+        function = self._function(key, gates, widths)
         with torch.no_grad():  # inference graphs: nothing to differentiate
-            return tuple(self._function(gates, widths)(*inputs))
+            try:
+                return tuple(function(*inputs))
+            except Exception as exc:
+                from torch._dynamo.exc import BackendCompilerFailed  # inductor's errors too
+
+                interpreted = isinstance(function, functools.partial)  # failed before
+                if interpreted or not isinstance(exc, BackendCompilerFailed):
+                    raise
+                logger.warning("plan %s: the compiler failed (%s); it runs through the region "
+                               "interpreter", key, str(exc).strip().splitlines()[0][:200])
+                self.stats.failures += 1
+                self._plans[key] = functools.partial(self.interpreter, gates=gates, widths=widths)
+                return tuple(self._plans[key](*inputs))
 
 
 def compile_plans(module, ir: dict, *, max_plans: int = 8, compiler=None) -> PlanGraphs:
