@@ -115,7 +115,8 @@ class Case:
         self.save = save  # called after each row: a run killed at its limit keeps what it did
 
     def contender(self, label, setup, budgets=(None,)):
-        """`setup()` -> (run(budget) -> output tensor or None, compile seconds). One row per
+        """`setup()` -> (run(budget) -> output tensor or None, reference output), or with a
+        third item, `notes() -> dict` of fields for the row (plan_failures). One row per
         budget: median ms, and parity with eager (full path) or agreement (budgets)."""
         if label in self.skip or time.monotonic() > self.deadline:
             self.skipped.append(label)
@@ -125,7 +126,7 @@ class Case:
         torch._dynamo.reset()
         start = time.monotonic()
         try:
-            run, reference = setup()
+            run, reference, *notes = setup()
             first = run(None)
             sync(self.device)
             compile_s = time.monotonic() - start
@@ -133,6 +134,11 @@ class Case:
                 out = run(budget) if budget is not None else first
                 ms = time_ms(lambda: run(budget), self.device, self.runs, self.warmup)
                 self.rows.append(self.row(label, budget, ms, compile_s, out, reference))
+                for note in notes:
+                    self.rows[-1].update(note())
+                if self.rows[-1].get("plan_failures"):  # those plans ran the interpreter
+                    self.rows[-1]["check"] += (f"; {self.rows[-1]['plan_failures']} plan "
+                                               "compiles failed")
                 print(f"  {self.name}/{label} budget {budget or 0:g}: {ms:.3f} ms "
                       f"(setup {compile_s:.0f} s) {self.rows[-1]['check']}", flush=True)
                 self.save()
@@ -161,6 +167,12 @@ class Case:
             row.update(parity=ok, max_abs_diff=diff)
             row["check"] = f"parity {'ok' if ok else 'FAIL'} (max abs diff {diff:.2g})"
         return row
+
+
+def plan_failures(compiled) -> dict:
+    """Plans of the artifact (and its decoder) whose compile failed (they ran the interpreter)."""
+    graphs = [g for g in (compiled.plan_graphs, getattr(compiled.decoder, "plan_graphs", None)) if g]
+    return {"plan_failures": sum(g.stats.failures for g in graphs)} if graphs else {}
 
 
 def prefill_case(case: Case, model, batch, seq, args):
@@ -197,7 +209,8 @@ def prefill_case(case: Case, model, batch, seq, args):
             if case.device.type == "cuda":
                 compiled.use_cuda_graphs()
             name = compiled.output_names[0]
-            return (lambda budget: compiled(ids, mask, budget=budget)[name]), reference
+            return ((lambda budget: compiled(ids, mask, budget=budget)[name]), reference,
+                    lambda: plan_failures(compiled))
         return setup
 
     graphs = "-graphs" if case.device.type == "cuda" else ""
@@ -253,7 +266,7 @@ def decode_case(case: Case, model, prompt, new, args):
             def run(budget):
                 result = compiled.generate(ids, max_new_tokens=new, budget=budget)
                 return torch.tensor(result.tokens, device=case.device)
-            return run, reference
+            return run, reference, lambda: plan_failures(compiled)
         return setup
 
     case.contender("rbc-generate", artifact_generate(), (None, *BUDGETS))
