@@ -43,7 +43,7 @@ _blocks: list[_Held] = []  # the open `signals_held` blocks of the main thread, 
 @contextlib.contextmanager
 def signals_held():
     """Delay SIGINT / SIGTERM until the block ends (they are delivered then, unless
-    `discard_held_signals` dropped them). They are masked in this thread and, in the main
+    `commit_output` dropped them). They are masked in this thread and, in the main
     thread, caught by a recording handler: a signal sent to the process can be taken by any
     thread that does not mask it, and CPython then runs the handler in the main thread."""
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
@@ -70,9 +70,22 @@ def _drain_masked() -> None:
         pass
 
 
-def discard_held_signals() -> None:
-    """Drop the SIGINT / SIGTERM held by the innermost `signals_held` block, until it ends: the
-    work they would stop is complete, and the command ends as it would have without them."""
+_commits = 0  # outputs put in place by this process (see `commits`)
+
+
+def commits() -> int:
+    """How many outputs this process has put in place. A command's signal handler compares it
+    with the count when the command began: once its output is committed, a signal no longer
+    stops the command (it would report "stopped" with the new output in place)."""
+    return _commits
+
+
+def commit_output() -> None:
+    """The output is in place: count it, and drop the SIGINT / SIGTERM held by the innermost
+    `signals_held` block until it ends (the work they would stop is complete; the command
+    ends as it would have without them)."""
+    global _commits
+    _commits += 1
     _drain_masked()
     if _blocks:
         _blocks[-1].dropped = True
@@ -133,7 +146,7 @@ def write_file(path, write: Callable[[Path], T]) -> T:
         with signals_held():
             tmp.chmod(0o666 & ~_umask())
             os.replace(tmp, path)
-            discard_held_signals()
+            commit_output()
     except BaseException:
         with signals_held():
             tmp.unlink(missing_ok=True)
@@ -165,7 +178,7 @@ def write_folder(out_dir, write: Callable[[Path], T], owned: Owned, kind: str) -
         with signals_held(), locked(out_dir.parent):
             check_replaceable(out_dir, owned, kind)  # again: another writer may have been here
             _swap(tmp, out_dir)
-            discard_held_signals()  # the new folder is in place: "stopped" would now be false
+            commit_output()  # the new folder is in place: "stopped" would now be false
     except BaseException:
         with signals_held():
             shutil.rmtree(tmp, ignore_errors=True)

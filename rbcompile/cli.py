@@ -11,6 +11,7 @@ import sys
 import threading
 from functools import partial
 
+from .atomic import commits
 from .errors import check_unicode, first_line
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
@@ -21,19 +22,29 @@ class Terminated(BaseException):
 
 
 class _Stop:
-    """SIGINT / SIGTERM handler: the first signal raises (KeyboardInterrupt / Terminated) and
-    is remembered, later ones are ignored so clean-up finishes. A library that turns the
-    exception into its own error (transformers' lazy imports do) still ends the command with
-    the signal's exit code."""
+    """SIGINT / SIGTERM handler of one command: the first signal raises (KeyboardInterrupt /
+    Terminated) and is remembered, later ones are ignored so clean-up finishes. A library that
+    turns the exception into its own error (transformers' lazy imports do) still ends the
+    command with the signal's exit code. Once the command's output is in place
+    (`atomic.commit_output`) or the command has ended, a signal changes nothing: "stopped"
+    would be false, and the exit code stands."""
 
     def __init__(self):
         self.received = None
+        self.ended = False
+        self.commits = commits()
 
     def __call__(self, signum, frame):
-        if self.received is not None:
+        if self.received is not None or self.ended or commits() != self.commits:
             return
         self.received = signum
         raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+
+    def install(self) -> dict:
+        """Make this the SIGINT / SIGTERM handler (main thread only); returns the ones before."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {signum: signal.signal(signum, self) for signum in (signal.SIGINT, signal.SIGTERM)}
 
     def exit_code(self) -> int | None:
         return {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM}.get(self.received)
@@ -710,18 +721,27 @@ COMMANDS = {"compile": _cmd_compile, "inspect": _cmd_inspect, "run": _cmd_run,
 
 
 def main(argv=None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        args = _build_parser().parse_args(argv)
-    except SystemExit as exc:  # usage errors (exit 2), --help and --version (exit 0)
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    from .errors import UserError
+    """Run one command in this process and return its exit code; its SIGINT / SIGTERM handler
+    is in place while it runs, and the earlier ones are put back (unless a signal came: then
+    `stop` stays, as a library may re-trip SIGINT while Python exits)."""
     stop = _Stop()
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = ({signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-                if in_main_thread else {})
+    previous = stop.install()
     try:
-        if in_main_thread and args.command != "models":
+        return _run(argv, stop)
+    finally:
+        for signum, handler in previous.items() if stop.received is None else ():
+            signal.signal(signum, handler)
+
+
+def _run(argv, stop: _Stop) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .errors import UserError
+    try:
+        try:
+            args = _build_parser().parse_args(argv)
+        except SystemExit as exc:  # usage errors (exit 2), --help and --version (exit 0)
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        if args.command != "models" and threading.current_thread() is threading.main_thread():
             _import_libraries()
         COMMANDS[args.command](args)
     except (KeyboardInterrupt, Terminated, Exception) as exc:
@@ -738,19 +758,22 @@ def main(argv=None) -> int:
         print(f"rbcompile: internal error: {type(exc).__name__}: {first_line(exc)} "
               "(set RBCOMPILE_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
-    finally:  # after a signal `stop` stays: a library may re-trip SIGINT while Python exits
-        for signum, handler in previous.items() if stop.received is None else ():
-            signal.signal(signum, handler)
+    finally:
+        stop.ended = True
     return stop.exit_code() or EXIT_OK
 
 
 def entry() -> None:
     """The `rbcompile` command (console script, `python -m rbcompile`, `python -m rbcompile.cli`).
 
-    After SIGINT / SIGTERM the command has already cleaned up; it then leaves without
-    interpreter finalisation, because CPython re-kills itself with SIGINT there (exit -2, not
-    130) when a library evaluated code that saw the KeyboardInterrupt."""
-    code = main()
+    The command's signal handler stays in place until the process ends: a SIGTERM after the
+    command has ended (under the default handler, a kill: -15, not 143, with the new output in
+    place) changes nothing. After SIGINT / SIGTERM the command has already cleaned up; it then
+    leaves without interpreter finalisation, because CPython re-kills itself with SIGINT there
+    (exit -2, not 130) when a library evaluated code that saw the KeyboardInterrupt."""
+    stop = _Stop()
+    stop.install()
+    code = _run(None, stop)
     if code in (EXIT_SIGINT, EXIT_SIGTERM):
         sys.stdout.flush()
         sys.stderr.flush()

@@ -167,6 +167,45 @@ def test_signal_during_the_swap_does_not_undo_a_finished_write(tmp_path, monkeyp
     assert (tmp_path / "out" / "a.txt").read_text() == "new"
 
 
+def test_signal_after_the_output_is_in_place_does_not_stop_the_command(tiny_checkpoints, tmp_path,
+                                                                       monkeypatch):
+    """A SIGTERM between the swap and the command's end (its last messages) would report
+    "terminated" (143, which promises the old output) with the new artifact in place."""
+    from rbcompile.compiled import CompiledModel
+
+    save = CompiledModel.save
+
+    def save_then_signalled(self, out_dir):
+        out = save(self, out_dir)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs here
+        return out
+
+    monkeypatch.setattr(CompiledModel, "save", save_then_signalled)
+    assert main(["compile", str(tiny_checkpoints["gpt2"]), "-o", str(tmp_path / "art")]) == 0
+    assert main(["verify", str(tmp_path / "art")]) == 0
+
+
+def test_signal_after_the_command_ended_leaves_its_exit_code():
+    """The console script keeps its handler until the process ends: a SIGTERM after the command
+    returned (under the default handler, a kill, -15) leaves exit 0."""
+    script = ("import os, signal, sys, time\n"
+              "from rbcompile import cli\n"
+              "run = cli._run\n"
+              "def run_then_signalled(argv, stop):\n"
+              "    code = run(argv, stop)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(0.05)\n"
+              "    return code\n"
+              "cli._run = run_then_signalled\n"
+              "sys.argv = ['rbcompile', 'models']\n"
+              "cli.entry()\n")
+    result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "smollm2-135m" in result.stdout
+
+
 def test_signal_in_a_held_block_is_delivered_when_it_ends():
     from rbcompile import atomic
 
