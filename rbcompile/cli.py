@@ -766,14 +766,17 @@ def _run(argv, stop: _Stop) -> int:
 def entry() -> None:
     """The `rbcompile` command (console script, `python -m rbcompile`, `python -m rbcompile.cli`).
 
-    The command's signal handler stays in place until the process ends: a SIGTERM after the
-    command has ended (under the default handler, a kill: -15, not 143, with the new output in
-    place) changes nothing. After SIGINT / SIGTERM the command has already cleaned up; it then
+    Once the command has ended, SIGINT / SIGTERM are ignored until the process is gone: CPython
+    puts the default handlers back in place of Python ones while it finalises, and a SIGTERM
+    then (under the default handler, a kill: -15, not 0 or 143) would misreport a command whose
+    output is in place. After SIGINT / SIGTERM the command has already cleaned up; it then
     leaves without interpreter finalisation, because CPython re-kills itself with SIGINT there
     (exit -2, not 130) when a library evaluated code that saw the KeyboardInterrupt."""
     stop = _Stop()
     stop.install()
     code = _run(None, stop)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # SIG_IGN is kept through finalisation
+        signal.signal(signum, signal.SIG_IGN)
     if code in (EXIT_SIGINT, EXIT_SIGTERM):
         sys.stdout.flush()
         sys.stderr.flush()
