@@ -19,15 +19,24 @@ _module_ids = itertools.count()
 def instantiate(source: str, tag: str) -> torch.nn.Module:
     """Execute generated source (and only that) in a fresh module and return an empty
     GeneratedModel. The module is importable (`sys.modules`, under a name of its own) while
-    the model lives: dynamo imports the module of every global the code it inlines reads."""
-    filename = f"<rbcompile generated {tag}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    the model lives: dynamo imports the module of every global the code it inlines reads.
+    Its file name is its own too: dynamo keeps what it learnt of a function's shapes
+    (automatic dynamic) by file name, line and name, so two modules generated alike must not
+    share one."""
     namespace = types.ModuleType(f"rbcompile_generated_{next(_module_ids)}")
+    filename = f"<rbcompile generated {tag} in {namespace.__name__}>"
     exec(compile(source, filename, "exec"), vars(namespace))  # noqa: S102 - our generated code
     sys.modules[namespace.__name__] = namespace
     model = namespace.GeneratedModel()
     weakref.finalize(model, sys.modules.pop, namespace.__name__, None)
+    show_source(filename, source, model)
     return model
+
+
+def show_source(filename: str, source: str, owner) -> None:
+    """Let tracebacks and dynamo read generated `source` under `filename` while `owner` lives."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    weakref.finalize(owner, linecache.cache.pop, filename, None)
 
 
 def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

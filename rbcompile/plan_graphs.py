@@ -10,13 +10,13 @@ so dynamo's guards and recompile limit apply per plan. Cache regions are compute
 takes them. Compared with per-region compilation (`compile_regions`), a new plan costs a
 compile of the whole model and a call costs one graph; CUDA graphs per plan (cuda_graphs.py)
 capture the compiled plan as they capture the interpreter. A plan whose compile fails (an
-inductor bug: torch 2.11's CPU code generator on the KV-cached decoder's causal mask) runs
-through the region interpreter from then on, with a warning and `stats.failures` counted.
+inductor bug: torch 2.11's CPU code generator on the KV-cached decoder's causal mask at
+dynamic shapes) runs through the region interpreter from then on, with a warning and
+`stats.failures` counted.
 """
 from __future__ import annotations
 
 import functools
-import linecache
 import logging
 import types
 from collections import OrderedDict
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CompileError
+from .module import show_source
 from .regions import plan_cache_key, plan_steps, seam_terms
 
 logger = logging.getLogger("rbcompile.plan_graphs")
@@ -92,8 +93,10 @@ class PlanGraphs:
             self._plans.move_to_end(key)
             return function
         source = self.source(gates, widths)
-        filename = f"<rbcompile plan {len(self._plans) + self.stats.evictions}>"
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        # a file name of its own (see module.instantiate): the plans of another module, seen
+        # at other shapes, must not make this plan's first compile dynamic
+        filename = f"<rbcompile plan {self.stats.compiles} of {type(self.module).__module__}>"
+        show_source(filename, source, self.module)
         namespace: dict = {}
         exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - written just above
         function = self.compiler(types.MethodType(namespace["plan"], self.module))

@@ -1,7 +1,9 @@
 """One compiled graph per plan (rbcompile/plan_graphs.py): the plan's straight-line source, its
 equality with the region interpreter, the bound on kept plans, and inductor through the
 artifact, its KV-cached decoder and the torch.compile backend."""
+import gc
 import itertools
+import linecache
 import logging
 
 import pytest
@@ -97,6 +99,45 @@ def test_a_plan_the_compiler_fails_on_runs_through_the_interpreter(caplog):
     assert graphs.stats.failures == 0
 
 
+@pytest.mark.parametrize("unit", ["plan", "region"])
+def test_a_first_compile_is_static_whatever_another_module_saw(unit):
+    """Dynamo keeps what it learnt of a function's shapes by file name, line and name: two
+    modules generated alike, run at other shapes, must not make each other's plans (or
+    regions, compile_regions) compile dynamic on their first call."""
+    dynamic_inputs = []
+
+    def recording(gm, example_inputs):
+        dynamic_inputs.append([node.name for node in gm.graph.nodes if node.op == "placeholder"
+                               and isinstance(node.meta.get("example_value"), torch.SymInt)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    for seq in (9, 5):
+        compiled = rbcompile.compile(make_tiny_model("llama"))
+        module, (ids, mask) = compiled.module, random_batch(2, seq)
+        if unit == "plan":
+            compile_plans(module, compiled.ir,
+                          compiler=lambda fn: torch.compile(fn, backend=recording))
+        else:
+            name = module.REGIONS[1].methods[0]
+            setattr(module, name, torch.compile(getattr(module, name), backend=recording))
+        with torch.no_grad():
+            module(ids, mask, [True] * 8)
+    assert dynamic_inputs == [[], []]
+
+
+def test_generated_sources_are_readable_while_their_module_lives():
+    before = set(linecache.cache)
+    compiled = rbcompile.compile(make_tiny_model("llama"))
+    compile_plans(compiled.module, compiled.ir, compiler=_eagerly)
+    compiled.module(*random_batch(2, 5), [True] * 8)
+    shown = {name for name in set(linecache.cache) - before if name.startswith("<rbcompile")}
+    assert len(shown) == 3 and any("plan 0" in name for name in shown)  # model, decoder, plan
+    del compiled
+    gc.collect()
+    assert not [name for name in linecache.cache if name in shown]
+
+
 def test_inductor_plan_graphs_match_eager_in_the_artifact(tiny_checkpoints):
     compiled = rbcompile.compile(tiny_checkpoints["llama"], kernels=True)
     eager = make_tiny_model("llama")
@@ -109,14 +150,15 @@ def test_inductor_plan_graphs_match_eager_in_the_artifact(tiny_checkpoints):
 
 
 @pytest.mark.xfail(torch.__version__ < "2.12", strict=True, reason="torch 2.11's CPU inductor "
-                   "cannot compile the decoder's causal mask (a C++ code generation error); the "
-                   "plan runs through the interpreter instead")
+                   "cannot compile the decoder's causal mask at dynamic shapes (a C++ code "
+                   "generation error); the plan runs through the interpreter instead")
 def test_inductor_plan_graphs_keep_the_decoders_tokens(tiny_checkpoints):
+    """Prompts of two lengths: the second recompiles the plan at dynamic shapes."""
     compiled = rbcompile.compile(tiny_checkpoints["llama"], kernels=True)
-    prompt = torch.tensor([[1, 5, 9, 14, 22, 31]])
-    tokens = compiled.generate(prompt, max_new_tokens=6).tokens
+    prompts = [torch.tensor([[1, 5, 9, 14, 22, 31]]), torch.tensor([[7, 3, 11, 2]])]
+    tokens = [compiled.generate(prompt, max_new_tokens=6).tokens for prompt in prompts]
     compiled.compile_plans(max_plans=4)
-    assert compiled.generate(prompt, max_new_tokens=6).tokens == tokens
+    assert [compiled.generate(prompt, max_new_tokens=6).tokens for prompt in prompts] == tokens
     assert compiled.decoder.plan_graphs.stats.compiles == 1
     assert compiled.decoder.plan_graphs.stats.failures == 0
 
