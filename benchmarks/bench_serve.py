@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import re
 import signal
 import socket
@@ -76,6 +75,7 @@ from bench_generate import (ABBREVIATIONS, LITERATURE, SHARED, _first_tokens,  #
 from common import RESULTS, pin_threads, print_table, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
+from rbcompile.child import child_env  # noqa: E402
 from rbcompile.errors import UserError  # noqa: E402
 from rbcompile.models import load_hf_model, resolve_checkpoint  # noqa: E402
 from rbcompile.prefix_cache import PrefixCache  # noqa: E402
@@ -94,7 +94,7 @@ WARM_INDEX = 10_000             # the warm-up's continuation prompt: one no work
 
 def serve_help() -> str:
     done = subprocess.run([sys.executable, "-m", "rbcompile.cli", "serve", "--help"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=child_env())
     if done.returncode:
         raise SystemExit(f"`rbcompile serve --help` failed ({done.returncode}): "
                          f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
@@ -119,8 +119,8 @@ def server(name: str, artifact: str, extra: list[str], threads: int, logs: Path,
     /health answers; SIGTERM afterwards (SIGKILL if it has not exited 20 s later)."""
     port = free_port()
     log = logs / f"server-{name.split()[-1]}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "HF_HUB_OFFLINE": "1"}
+    env = child_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                    HF_HUB_OFFLINE="1")
     command = [sys.executable, "-m", "rbcompile.cli", "serve", artifact, "--port", str(port),
                *extra]
     say(f"  {name}: {' '.join(command[1:])} (log {log})")

@@ -171,6 +171,7 @@ def validate_onnx(compiled, path, widths, dynamic: bool) -> dict[str, float]:
     abs diff per setting. UserError if the checker, names, axes, shapes or values disagree."""
     import numpy as np
 
+    from .child import child_env
     from .errors import UserError
 
     settings = validation_settings(compiled)
@@ -189,7 +190,7 @@ def validate_onnx(compiled, path, widths, dynamic: bool) -> dict[str, float]:
             {"settings": list(settings), "outputs": compiled.output_names, "dynamic": dynamic,
              "atol": ATOL, "rtol": RTOL}))
         proc = subprocess.run([sys.executable, "-m", "rbcompile.onnx_export", str(path), tmp],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=child_env())
     try:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

@@ -1,8 +1,19 @@
 """Shared fixtures: tiny random checkpoints (made with save_pretrained) and compiled models."""
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede any `import triton`
+# The checkout's root must not be on sys.path: its kernels/ would shadow Hugging Face's
+# `kernels` package (see rbcompile/child.py). `python -m pytest` puts it there; the tests'
+# `python -m` / `-c` children, started from it, keep it off by SAFE_PATH.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
+
+from rbcompile.child import SAFE_PATH  # noqa: E402
+
+os.environ.update(SAFE_PATH)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
