@@ -108,13 +108,20 @@ def graph_pass(*, requires: tuple[str, ...] = (), ensures: tuple[str, ...] = ())
 # ---- node helpers shared by the passes --------------------------------------------------------
 
 _DYNAMO_PREFIXES = ("L['self'].", "L['args'][0].", "L['mod'].")
+# dynamo's name for a module reached through a module-level global, not through the model:
+# transformers 5.25 makes `apply_rotary_pos_emb` such a module (a hub-kernel hook)
+_GLOBAL_PREFIX = "G["
 
 
 def module_stack(node: Node) -> list[tuple[str, str]]:
-    """[(module path, module type name)] from outermost to innermost, dynamo prefixes stripped."""
+    """[(module path, module type name)] from outermost to innermost, dynamo prefixes stripped.
+    Modules outside the model's tree (globals) are left out: their nodes belong to the module
+    that called them."""
     stack = node.meta.get("nn_module_stack") or {}
     out = []
     for path, type_ in stack.values():
+        if path.startswith(_GLOBAL_PREFIX):
+            continue
         for prefix in _DYNAMO_PREFIXES:
             if path.startswith(prefix):
                 path = path[len(prefix):]

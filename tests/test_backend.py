@@ -46,6 +46,37 @@ def test_parity_with_eager_on_two_shapes(arch):
     assert graphs[1].calls == 2 and graphs[1].num_gates >= 4
 
 
+@pytest.mark.parametrize("use_cache, prunable", [(False, ["attention", "mlp"]), (True, ["mlp"])])
+def test_a_module_called_through_a_global_belongs_to_its_caller(monkeypatch, use_cache, prunable):
+    """transformers 5.25 makes `apply_rotary_pos_emb` a module-level nn.Module (a hub-kernel
+    hook); dynamo names it `G['...'].apply_rotary_pos_emb` in nn_module_stack. Its nodes stay in
+    the attention that calls it: compiled, not fallen back, at parity."""
+    from transformers.models.llama import modeling_llama
+
+    class Func(torch.nn.Module):
+        def __init__(self, function):
+            super().__init__()
+            self.function = function
+
+        def forward(self, *args, **kwargs):
+            return self.function(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb",
+                        Func(modeling_llama.apply_rotary_pos_emb))
+    model = make_tiny_model("llama")
+    compiled = torch.compile(model, backend="rbcompile", options=STRICT_EAGER)
+    with torch.no_grad():
+        for batch, seq in ((2, 8), (3, 13)):  # static, then dynamic shapes
+            ids, mask = _inputs(batch, seq)
+            got = _first(compiled(ids, attention_mask=mask, use_cache=use_cache))
+            expected = _first(model(ids, attention_mask=mask, use_cache=use_cache))
+            assert (expected - got).abs().max() <= 1e-5
+    graphs = backend.compiled_graphs()
+    assert [graph.handled_by for graph in graphs] == ["rbcompile", "rbcompile"]
+    for graph in graphs:
+        assert sorted({r["unit_kind"] for r in graph.regions if r["kind"] == "prunable"}) == prunable
+
+
 def test_decoder_with_kv_cache_keeps_attention_in_the_skeleton():
     model = make_tiny_model("llama")
     compiled = torch.compile(model, backend="rbcompile", options=STRICT_EAGER)
