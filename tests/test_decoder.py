@@ -58,21 +58,23 @@ def test_a_trace_that_writes_no_cache_is_refused(compiled_tiny, monkeypatch):
         trace.trace_cached(eager, lookup(eager.config), 32)
 
 
+def _prefill(decoder, positions=torch.arange(7), gates=None):
+    """The decoder's prefill of PROMPTS on a fresh cache: (logits at `positions`, the cache)."""
+    shape, mask = decoder.shape, (PROMPTS != 0).long()
+    cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, 12, 7 - mask.sum(1))
+    attention_mask, position_ids, cache_position = cache.inputs(7)
+    return decoder(PROMPTS, attention_mask, position_ids, cache_position, positions,
+                   cache.tensors, gates=gates), cache.tensors
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_decoder_projects_only_the_logit_positions_asked_for(saved, arch):
     """A prefill asks for its last position's logits only; they equal that row of the full
     logits, and the cache gets the same keys / values either way."""
     decoder = saved[arch][0].decoder
-    shape = decoder.shape
-    mask = (PROMPTS != 0).long()
-    outputs = {}
-    for name, positions in {"all": torch.arange(7), "last": torch.tensor([6]),
-                            "some": torch.tensor([4, 1])}.items():
-        cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, 12, 7 - mask.sum(1))
-        attention_mask, position_ids, cache_position = cache.inputs(7)
-        logits = decoder(PROMPTS, attention_mask, position_ids, cache_position, positions,
-                         cache.tensors)
-        outputs[name] = logits, cache.tensors
+    outputs = {name: _prefill(decoder, positions)
+               for name, positions in {"all": torch.arange(7), "last": torch.tensor([6]),
+                                       "some": torch.tensor([4, 1])}.items()}
     full, full_cache = outputs["all"]
     assert outputs["last"][0].shape == (2, 1, full.shape[-1])
     torch.testing.assert_close(outputs["last"][0], full[:, 6:], atol=1e-5, rtol=0)
@@ -121,7 +123,12 @@ def test_calibrated_decoder_uses_the_permuted_weights(calibrated_tiny, compiled_
         _hf_new_tokens(eager, PROMPTS, mask, 8)
 
 
-def test_budget_skips_the_plans_mlps_in_the_decoder(calibrated_tiny):
+def test_budget_skips_the_plans_mlps_in_the_decoder(calibrated_tiny, tiny_checkpoints):
+    """The decoder under a budget's gates is the model without that plan's MLPs: its logits
+    equal eager transformers' with those MLPs returning zeros, and differ from the full path's;
+    `generate(budget=)` gives that model's greedy tokens."""
+    from rbcompile.models import load_hf_model
+
     compiled = calibrated_tiny["llama"]
     gates = compiled.gates_for_budget(0.5)
     decoder_gates = compiled.decoder.gates_from(compiled.regions, gates)
@@ -130,9 +137,18 @@ def test_budget_skips_the_plans_mlps_in_the_decoder(calibrated_tiny):
     assert skipped_mlps, "the 0.5 plan skips some MLP"
     assert {name for name, gate in compiled.decoder.unit_gates.items()
             if not decoder_gates[gate]} == skipped_mlps
-    full = compiled.generate(PROMPTS, max_new_tokens=6)
-    light = compiled.generate(PROMPTS, max_new_tokens=6, budget=0.5)
-    assert full.tokens != light.tokens  # the light path changes the output on a random model
+    eager = load_hf_model(tiny_checkpoints["llama"])
+    for name in skipped_mlps:
+        eager.get_submodule(name).register_forward_hook(lambda module, args, out: torch.zeros_like(out))
+    mask = (PROMPTS != 0).long()
+    with torch.no_grad():
+        reference = eager(input_ids=PROMPTS, attention_mask=mask).logits
+    light = _prefill(compiled.decoder, gates=decoder_gates)[0]
+    valid = mask.bool()  # padded positions' logits are not defined alike
+    torch.testing.assert_close(light[valid], reference[valid], atol=1e-5, rtol=0)
+    assert (light - _prefill(compiled.decoder)[0]).abs().max() > 1e-3
+    tokens = compiled.generate(PROMPTS, max_new_tokens=6, budget=0.5).tokens
+    assert tokens == _hf_new_tokens(eager, PROMPTS, mask, 6)
 
 
 def test_encoders_have_no_decoder(compiled_tiny):
