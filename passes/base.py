@@ -7,6 +7,7 @@ and what it *ensures*. A fact is either `meta:<key>` (every call_function node c
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -107,24 +108,26 @@ def graph_pass(*, requires: tuple[str, ...] = (), ensures: tuple[str, ...] = ())
 
 # ---- node helpers shared by the passes --------------------------------------------------------
 
-_DYNAMO_PREFIXES = ("L['self'].", "L['args'][0].", "L['mod'].")
-# dynamo's name for a module reached through a module-level global, not through the model:
-# transformers 5.25 makes `apply_rotary_pos_emb` such a module (a hub-kernel hook)
-_GLOBAL_PREFIX = "G["
+# dynamo names a module by how the compiled code reached it: `L['args'][0].model.layers.0` (the
+# compiled module), `L['local']...` (a closure), `G['model']...` (a global). The outermost entry
+# names the model; an entry under another root is a module outside its tree: transformers 5.25
+# makes `apply_rotary_pos_emb` a module-level module, `G['__import_...'].apply_rotary_pos_emb`.
+_DYNAMO_ROOT = re.compile(r"[LG]\['[^']*'\](?:\[(?:\d+|'[^']*')\])*\.")
 
 
 def module_stack(node: Node) -> list[tuple[str, str]]:
-    """[(module path, module type name)] from outermost to innermost, dynamo prefixes stripped.
-    Modules outside the model's tree (globals) are left out: their nodes belong to the module
-    that called them."""
+    """[(module path, module type name)] from outermost to innermost, relative to the model (the
+    outermost entry's root). Modules outside the model's tree are left out: their nodes belong
+    to the module that called them."""
     stack = node.meta.get("nn_module_stack") or {}
-    out = []
+    out, model_root = [], None
     for path, type_ in stack.values():
-        if path.startswith(_GLOBAL_PREFIX):
-            continue
-        for prefix in _DYNAMO_PREFIXES:
-            if path.startswith(prefix):
-                path = path[len(prefix):]
+        root = _DYNAMO_ROOT.match(path)
+        if root:
+            model_root = model_root or root.group(0)
+            if root.group(0) != model_root:
+                continue
+            path = path[len(model_root):]
         type_name = type_ if isinstance(type_, str) else getattr(type_, "__qualname__", str(type_))
         out.append((path, type_name.rsplit(".", 1)[-1]))
     return out

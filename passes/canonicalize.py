@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import PassContext, PassReport, graph_pass, writes_input
+from .base import PassContext, PassReport, graph_pass, module_path, writes_input
 
 aten = torch.ops.aten
 
@@ -44,12 +44,12 @@ def _identity_input(node: Node) -> Node | None:
 
 
 def _stack_of(nodes) -> dict | None:
-    """The one nn_module_stack the compute nodes among `nodes` share (by innermost path), or None."""
+    """The one nn_module_stack the compute nodes among `nodes` share (by module path), or None."""
     stacks = {}
     for node in nodes:
         stack = node.meta.get("nn_module_stack") if node.op == "call_function" else None
         if stack:
-            stacks[list(stack.values())[-1][0]] = stack
+            stacks[module_path(node)] = stack
     return next(iter(stacks.values())) if len(stacks) == 1 else None
 
 

@@ -46,6 +46,34 @@ def test_parity_with_eager_on_two_shapes(arch):
     assert graphs[1].calls == 2 and graphs[1].num_gates >= 4
 
 
+_GLOBAL_MODEL = {}
+
+
+def _through_a_global(ids, mask):
+    return _GLOBAL_MODEL["llama"](ids, attention_mask=mask, use_cache=False).logits
+
+
+@pytest.mark.parametrize("reached", ["global", "closure"])
+def test_a_function_that_calls_the_model_is_compiled(monkeypatch, reached):
+    """torch.compile of a function that calls the model: dynamo names its modules
+    `G['_GLOBAL_MODEL']['llama']...` or `L['model']...`; the graph is compiled, not fallen back."""
+    model = make_tiny_model("llama")
+    monkeypatch.setitem(_GLOBAL_MODEL, "llama", model)
+
+    def through_a_closure(ids, mask):
+        return model(ids, attention_mask=mask, use_cache=False).logits
+
+    function = _through_a_global if reached == "global" else through_a_closure
+    compiled = torch.compile(function, backend="rbcompile", options=STRICT_EAGER)
+    ids, mask = _inputs(2, 8)
+    with torch.no_grad():
+        assert (function(ids, mask) - compiled(ids, mask)).abs().max() <= 1e-5
+    (graph,) = backend.compiled_graphs()
+    assert graph.handled_by == "rbcompile"
+    assert sorted({r["unit_kind"] for r in graph.regions if r["kind"] == "prunable"}) == \
+        ["attention", "mlp"]
+
+
 @pytest.mark.parametrize("use_cache, prunable", [(False, ["attention", "mlp"]), (True, ["mlp"])])
 def test_a_module_called_through_a_global_belongs_to_its_caller(monkeypatch, use_cache, prunable):
     """transformers 5.25 makes `apply_rotary_pos_emb` a module-level nn.Module (a hub-kernel
