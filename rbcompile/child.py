@@ -3,7 +3,8 @@
 `python -m` and `-c` put the working directory first on sys.path. In a checkout of rbcompile
 that directory holds `kernels/` (installed as `rbcompile.kernels`), which would shadow Hugging
 Face's `kernels` package, imported by transformers 5.25 onwards as soon as a model config is.
-PYTHONSAFEPATH=1 (Python 3.11+) keeps it off.
+PYTHONSAFEPATH=1 (Python 3.11+) keeps it off. A child that can run in a folder of its own (the
+ONNX validation) does that instead, which holds on any Python.
 """
 from __future__ import annotations
 

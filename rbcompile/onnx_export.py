@@ -171,7 +171,6 @@ def validate_onnx(compiled, path, widths, dynamic: bool) -> dict[str, float]:
     abs diff per setting. UserError if the checker, names, axes, shapes or values disagree."""
     import numpy as np
 
-    from .child import child_env
     from .errors import UserError
 
     settings = validation_settings(compiled)
@@ -189,8 +188,11 @@ def validate_onnx(compiled, path, widths, dynamic: bool) -> dict[str, float]:
         (Path(tmp) / "spec.json").write_text(json.dumps(
             {"settings": list(settings), "outputs": compiled.output_names, "dynamic": dynamic,
              "atol": ATOL, "rtol": RTOL}))
-        proc = subprocess.run([sys.executable, "-m", "rbcompile.onnx_export", str(path), tmp],
-                              capture_output=True, text=True, env=child_env())
+        # run in `tmp`: `python -m` puts its working directory first on sys.path, and a
+        # checkout's kernels/ there would shadow Hugging Face's kernels (rbcompile/child.py)
+        proc = subprocess.run([sys.executable, "-m", "rbcompile.onnx_export",
+                               str(Path(path).resolve()), tmp],
+                              capture_output=True, text=True, cwd=tmp)
     try:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):

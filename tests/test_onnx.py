@@ -132,6 +132,20 @@ def test_validation_in_subprocess_and_failure_leaves_nothing(tiny_onnx, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_validation_does_not_import_from_the_working_directory(tiny_onnx, tmp_path, monkeypatch):
+    """The validation subprocess runs in a folder of its own: a package of the caller's working
+    directory (a checkout's kernels/, here a fake onnxruntime) never shadows an installed one,
+    whatever the Python version (PYTHONSAFEPATH is 3.11+)."""
+    compiled, path = tiny_onnx["bert"]
+    (tmp_path / "onnxruntime").mkdir()
+    (tmp_path / "onnxruntime" / "__init__.py").write_text(
+        "raise ImportError('the working directory shadows onnxruntime')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    diffs = validate_onnx(compiled, path, None, dynamic=False)
+    assert max(diffs.values()) <= ATOL
+
+
 @pytest.fixture(scope="module")
 def calibrated_bert(tiny_checkpoints, calib_file, tmp_path_factory):
     """Tiny BERT with width levels and plans, as an artifact folder."""
