@@ -52,11 +52,11 @@ test-ray: $(RAY_STAMP)
 
 # The suite on the other stacks pip may give a user, on this CPU, before a GPU lease or a user
 # finds out: `make test-compat` (the oldest supported, the GPU machine's: torch 2.11,
-# transformers 5.17, triton 3.6) and `make test-newest` (the newest releases). Another stack:
-# a file constraints-NAME.txt, then `make STACKS=NAME test-NAME`. Not in CI: torch other than
-# CI's is on PyPI only as a CUDA build (with its NVIDIA libraries: 5.5 GB installed), which runs
-# on a CPU as well.
-STACKS ?= compat newest
+# transformers 5.17, triton 3.6) and `make test-newest` (the newest releases). Another stack is
+# a file constraints-NAME.txt, then `make test-NAME` (constraints-ray.txt is test-ray's, above).
+# Not in CI: torch other than CI's is on PyPI only as a CUDA build (with its NVIDIA libraries:
+# 5.5 GB installed), which runs on a CPU as well.
+STACKS := $(filter-out ray,$(patsubst constraints-%.txt,%,$(wildcard constraints-*.txt)))
 .PHONY: $(STACKS:%=test-%)
 
 # A stack's constraints: constraints.txt without the packages constraints-STACK.txt pins (- and
