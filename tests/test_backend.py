@@ -32,6 +32,10 @@ def _first(output):
     return output[0] if isinstance(output, (tuple, list)) else output.to_tuple()[0]
 
 
+def _prunable_kinds(graph) -> list[str]:
+    return sorted({r["unit_kind"] for r in graph.regions if r["kind"] == "prunable"})
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_parity_with_eager_on_two_shapes(arch):
     model = make_tiny_model(arch)
@@ -70,8 +74,7 @@ def test_a_function_that_calls_the_model_is_compiled(monkeypatch, reached):
         assert (function(ids, mask) - compiled(ids, mask)).abs().max() <= 1e-5
     (graph,) = backend.compiled_graphs()
     assert graph.handled_by == "rbcompile"
-    assert sorted({r["unit_kind"] for r in graph.regions if r["kind"] == "prunable"}) == \
-        ["attention", "mlp"]
+    assert _prunable_kinds(graph) == ["attention", "mlp"]
 
 
 @pytest.mark.parametrize("use_cache, prunable", [(False, ["attention", "mlp"]), (True, ["mlp"])])
@@ -102,7 +105,7 @@ def test_a_module_called_through_a_global_belongs_to_its_caller(monkeypatch, use
     graphs = backend.compiled_graphs()
     assert [graph.handled_by for graph in graphs] == ["rbcompile", "rbcompile"]
     for graph in graphs:
-        assert sorted({r["unit_kind"] for r in graph.regions if r["kind"] == "prunable"}) == prunable
+        assert _prunable_kinds(graph) == prunable
 
 
 def test_decoder_with_kv_cache_keeps_attention_in_the_skeleton():
@@ -115,9 +118,8 @@ def test_decoder_with_kv_cache_keeps_attention_in_the_skeleton():
                                           options=STRICT_EAGER)
         compiled_no_cache(ids, attention_mask=mask, use_cache=False)
     with_cache, without = backend.compiled_graphs()
-    kinds = lambda g: sorted({r["unit_kind"] for r in g.regions if r["kind"] == "prunable"})  # noqa: E731
-    assert kinds(with_cache) == ["mlp"]          # attention branches write K/V: always run
-    assert kinds(without) == ["attention", "mlp"]
+    assert _prunable_kinds(with_cache) == ["mlp"]          # attention branches write K/V: always run
+    assert _prunable_kinds(without) == ["attention", "mlp"]
 
 
 def test_gates_come_from_the_runtime_without_recompiling():
