@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -25,19 +26,23 @@ class _Stop:
     """SIGINT / SIGTERM handler of one command: the first signal raises (KeyboardInterrupt /
     Terminated) and is remembered, later ones are ignored so clean-up finishes. A library that
     turns the exception into its own error (transformers' lazy imports do) still ends the
-    command with the signal's exit code. Once the command's output is in place
-    (`atomic.commit_output`) or the command has ended, a signal changes nothing: "stopped"
-    would be false, and the exit code stands."""
+    command with the signal's exit code, and the records libraries log while the command
+    unwinds are dropped: a stopped command prints one line (torch's fake tensors log the
+    TypeError a C++ binding may make of the KeyboardInterrupt, with its traceback). Once the
+    command's output is in place (`atomic.commit_output`) or the command has ended, a signal
+    changes nothing: "stopped" would be false, and the exit code stands."""
 
     def __init__(self):
         self.received = None
         self.ended = False
         self.commits = commits()
+        self.logging_level = logging.root.manager.disable
 
     def __call__(self, signum, frame):
         if self.received is not None or self.ended or commits() != self.commits:
             return
         self.received = signum
+        logging.disable(logging.CRITICAL)
         raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
 
     def install(self) -> dict:
@@ -45,6 +50,9 @@ class _Stop:
         if threading.current_thread() is not threading.main_thread():
             return {}
         return {signum: signal.signal(signum, self) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore_logging(self) -> None:
+        logging.disable(self.logging_level)
 
     def exit_code(self) -> int | None:
         return {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM}.get(self.received)
@@ -723,12 +731,13 @@ COMMANDS = {"compile": _cmd_compile, "inspect": _cmd_inspect, "run": _cmd_run,
 def main(argv=None) -> int:
     """Run one command in this process and return its exit code; its SIGINT / SIGTERM handler
     is in place while it runs, and the earlier ones are put back (unless a signal came: then
-    `stop` stays, as a library may re-trip SIGINT while Python exits)."""
+    `stop` stays, as a library may re-trip SIGINT while Python exits); logging is as it was."""
     stop = _Stop()
     previous = stop.install()
     try:
         return _run(argv, stop)
     finally:
+        stop.restore_logging()
         for signum, handler in previous.items() if stop.received is None else ():
             signal.signal(signum, handler)
 

@@ -167,6 +167,42 @@ def test_signal_during_the_swap_does_not_undo_a_finished_write(tmp_path, monkeyp
     assert (tmp_path / "out" / "a.txt").read_text() == "new"
 
 
+def test_a_stopped_command_drops_what_libraries_log_while_it_unwinds(monkeypatch, capsys):
+    """A SIGINT inside torch's fake-tensor dispatch once printed torch's "fake tensor raised
+    TypeError" and its traceback before rbcompile's one line: a C++ binding made a TypeError of
+    the KeyboardInterrupt, and torch logs that error before re-raising it."""
+    import logging
+
+    from rbcompile import cli
+
+    library_log = logging.getLogger("torch._subclasses.fake_tensor")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+
+    def interrupted_inside_a_library(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here
+        except KeyboardInterrupt:
+            try:
+                raise TypeError("incompatible function arguments") from None
+            except TypeError:
+                library_log.exception("fake tensor raised TypeError")
+                raise
+
+    monkeypatch.setitem(cli.COMMANDS, "models", interrupted_inside_a_library)
+    library_log.addHandler(handler)
+    try:
+        assert main(["models"]) == 130
+        assert records == []
+        library_log.warning("after the command")  # logging is back as it was
+        assert [record.getMessage() for record in records] == ["after the command"]
+    finally:
+        library_log.removeHandler(handler)
+    assert capsys.readouterr().err == "rbcompile: interrupted\n"
+
+
 def test_signal_after_the_output_is_in_place_does_not_stop_the_command(tiny_checkpoints, tmp_path,
                                                                        monkeypatch):
     """A SIGTERM between the swap and the command's end (its last messages) would report
