@@ -36,6 +36,7 @@ from .plan_graphs import compile_plans
 from .errors import CompileError, first_line
 from .ir import RESERVED_NAMES
 from .passes import PassContext, run_pipeline
+from .passes.base import module_stack
 from .plans import check_budget, plan_for_budget, skipped_share
 
 logger = logging.getLogger("rbcompile.backend")
@@ -204,16 +205,19 @@ def to_pipeline_graph(aten_gm: GraphModule, names: list[str], values: list):
 
 # ---- the backend -------------------------------------------------------------------------------
 
+def _modules(gm: GraphModule) -> set[tuple[str, str]]:
+    """(path, type name) of every module of the model that the graph's nodes came from."""
+    return {entry for n in gm.graph.nodes for entry in module_stack(n)}
+
+
 def _family(gm: GraphModule) -> str:
-    """decoder when the graph ends in an LM head (a matmul into a vocabulary-sized output)."""
-    stacks = [str(v) for n in gm.graph.nodes for v in (n.meta.get("nn_module_stack") or {}).values()]
-    return "decoder" if any("ForCausalLM" in s or "LMHead" in s for s in stacks) else "encoder"
+    """decoder when the model is a causal LM (its graph has an LM head), else encoder."""
+    return "decoder" if any("ForCausalLM" in type_name or "LMHead" in type_name
+                            for _, type_name in _modules(gm)) else "encoder"
 
 
 def _has_layers(gm: GraphModule) -> bool:
-    paths = [path for n in gm.graph.nodes
-             for path, _ in (n.meta.get("nn_module_stack") or {}).values()]
-    return any(re.search(r"\.\d+$", p) for p in paths)
+    return any(re.search(r"\.\d+$", path) for path, _ in _modules(gm))
 
 
 class _Runner:
