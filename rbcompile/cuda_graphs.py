@@ -10,6 +10,9 @@ artifact runtime (`CompiledModel.use_cuda_graphs`) and the torch.compile backend
 - bounded: at most `max_graphs` graphs, least recently used evicted first;
 - memory-aware: when the device has less than `min_free_fraction` of its memory free, or a
   capture fails for memory, the call runs eagerly and the key is not captured;
+- keyed by everything a replay cannot change: the caller's key (the plan), each tensor input's
+  shape and dtype, and the values of the other inputs (a captured graph holds the Python ints,
+  floats and lists it was captured with: dynamo passes a changing int as one);
 - static inputs: each tensor input is copied into a buffer of the graph's own before a replay,
   except inputs `in_place(tensor)` accepts (a static KV cache marked with
   `torch._dynamo.mark_static_address`, buffers the caller owns), which the graph reads where they
@@ -81,6 +84,11 @@ def plan_key(gates, widths) -> tuple:
     return tuple(gates), None if widths is None else tuple(widths)
 
 
+def _frozen(value):
+    """A hashable stand-in for a non-tensor input (lists and tuples become tuples)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def _clone_outputs(outputs):
     if isinstance(outputs, torch.Tensor):
         return outputs.clone()
@@ -124,11 +132,13 @@ class GraphCache:
         return list(self._graphs)
 
     def __call__(self, key: tuple, *inputs):
-        """`run(*inputs)`, through the graph captured for `key` (plus the inputs' shapes and
-        dtypes and the addresses of the in-place inputs) when there is one."""
+        """`run(*inputs)`, through the graph captured for `key` (plus the tensor inputs' shapes
+        and dtypes, the addresses of the in-place ones and the other inputs' values) when there
+        is one."""
         tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
         key = (key, tuple((tuple(v.shape), v.dtype) for v in tensors),
-               tuple(v.data_ptr() for v in tensors if self.in_place(v)))
+               tuple(v.data_ptr() for v in tensors if self.in_place(v)),
+               tuple(_frozen(v) for v in inputs if not isinstance(v, torch.Tensor)))
         graph = self._graphs.get(key)
         if graph is None and key not in self._uncapturable:
             if len(self._seen) >= _MAX_SEEN:  # shapes that never repeat: forget them

@@ -60,6 +60,16 @@ def test_key_shapes_lazy_capture_and_copies():
     assert cache.stats.captures == 1 and cache.stats.eager_calls == 2
 
 
+def test_other_inputs_key_the_graph():
+    """A graph holds the ints and floats it was captured with (dynamo passes an int that
+    changes between calls as an input): another value is another graph, not a stale replay."""
+    cache, _ = _cache(lambda x, scale, gates: x * scale + sum(gates))
+    x = torch.ones(2)
+    for scale in (2, 3, 2):
+        assert torch.equal(cache("plan", x, scale, [1, 1]), x * scale + 2)
+    assert cache.stats.captures == 2 and cache.stats.replays == 3
+
+
 def test_bound_evicts_least_recently_used():
     cache, _ = _cache(lambda x, gates: x + sum(gates), max_graphs=2)
     x = torch.zeros(2)
