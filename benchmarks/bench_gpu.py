@@ -115,8 +115,8 @@ class Case:
         self.save = save  # called after each row: a run killed at its limit keeps what it did
 
     def contender(self, label, setup, budgets=(None,)):
-        """`setup()` -> (run(budget) -> output tensor or None, reference output), or with a
-        third item, `notes() -> dict` of fields for the row (plan_failures). One row per
+        """`setup()` -> (run(budget) -> output tensor or None, reference output), and any
+        `notes() -> dict` of fields for the row (plan_failures, graph counts). One row per
         budget: median ms, and parity with eager (full path) or agreement (budgets)."""
         if label in self.skip or time.monotonic() > self.deadline:
             self.skipped.append(label)
@@ -173,6 +173,14 @@ def plan_failures(compiled) -> dict:
     """Plans of the artifact (and its decoder) whose compile failed (they ran the interpreter)."""
     graphs = [g for g in (compiled.plan_graphs, getattr(compiled.decoder, "plan_graphs", None)) if g]
     return {"plan_failures": sum(g.stats.failures for g in graphs)} if graphs else {}
+
+
+def graph_counts(decoder) -> dict:
+    """CUDA graphs the decoder captured and replayed so far (none without graphs)."""
+    if decoder.graphs is None:
+        return {}
+    return {"graph_captures": decoder.graphs.stats.captures,
+            "graph_replays": decoder.graphs.stats.replays}
 
 
 def prefill_case(case: Case, model, batch, seq, args):
@@ -266,7 +274,7 @@ def decode_case(case: Case, model, prompt, new, args):
             def run(budget):
                 result = compiled.generate(ids, max_new_tokens=new, budget=budget)
                 return torch.tensor(result.tokens, device=case.device)
-            return run, reference, lambda: plan_failures(compiled)
+            return run, reference, lambda: plan_failures(compiled), lambda: graph_counts(compiled.decoder)
         return setup
 
     case.contender("rbc-generate", artifact_generate(), (None, *BUDGETS))

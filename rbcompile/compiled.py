@@ -101,6 +101,8 @@ class CompiledModel:
             self.module.region_cache.clear()
             if self.cuda_graphs is not None:
                 self.cuda_graphs.clear()
+            if self.decoder is not None:
+                self.decoder.clear_graphs()
         return self
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
@@ -268,7 +270,7 @@ class CompiledModel:
                    attention_mask, shape=self.decoder.shape, max_new_tokens=max_new_tokens,
                    sampling=sampling, eos_token_ids=() if eos is None else eos, stop=stop,
                    decode=self.tokenizer.decode if stop else None, speculate=speculate,
-                   draft_step=draft, draft_cost=draft_cost)
+                   draft_step=draft, draft_cost=draft_cost, cache_pool=self.decoder.cache_pool)
 
     def compile_regions(self) -> "CompiledModel":
         """Compile the generated regions with inductor (first calls per shape are slow)."""

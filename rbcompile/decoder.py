@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from .cuda_graphs import GraphCache, plan_key
-from .kv_cache import DecoderShape
+from .kv_cache import CachePool, DecoderShape
 from .plan_graphs import PlanGraphs
 
 DECODER_GRAPH, DECODER_SOURCE = "decoder_graph.json", "decoder.py"
@@ -34,22 +34,32 @@ class Decoder:
         self.unit_gates = {region["name"]: region["gate"] for region in ir["regions"]
                            if region["kind"] == "prunable"}
         self.graphs: GraphCache | None = None
+        self.cache_pool: CachePool | None = None  # with graphs: K/V tensors kept for reuse
         self.plan_graphs: PlanGraphs | None = None  # CompiledModel.compile_plans
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
                         capture=None) -> "Decoder":
         """Run steps through CUDA graphs, one per (gates, input shapes, cache tensors): a
         decode step is then one replay. The cache tensors (the 4-D inputs) are read and written
-        where they are, so a generation's steps share its graph; a shape seen once (the
-        prefill) runs eagerly. `capture` replaces the CUDA capture (tests: a fake one)."""
-        self.graphs = None
+        where they are, so a generation's steps share its graph, and generations take their
+        cache from `cache_pool`, so later ones of the same batch and rounded length replay the
+        graphs of earlier ones (the prefill too, from its second sight of a prompt length). A
+        key seen once runs eagerly. `capture` replaces the CUDA capture (tests: a fake one)."""
+        self.graphs, self.cache_pool = None, None
         if enabled:
             self.module.region_cache.enabled = False  # the graph computes those values itself
             self.graphs = GraphCache(self.module, max_graphs=max_graphs, capture_after=2,
                                      in_place=lambda tensor: tensor.dim() == 4, capture=capture)
+            self.cache_pool = CachePool()
         else:
             self.module.region_cache.enabled = True
         return self
+
+    def clear_graphs(self) -> None:
+        """Forget the captured graphs and the pooled cache (the weights moved)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+            self.cache_pool.clear()
 
     @property
     def device(self) -> torch.device:

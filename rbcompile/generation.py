@@ -25,7 +25,7 @@ import torch
 
 from .drafters import NGramDrafter
 from .errors import UserError
-from .kv_cache import DecoderShape, StaticKVCache
+from .kv_cache import CachePool, DecoderShape, StaticKVCache
 from .sampling import SamplingConfig, verify
 
 SPECULATE_MODES = ("off", "ngram", "self", "auto")
@@ -318,19 +318,24 @@ class Scheduler:
         self._resumed = 0.0
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        self._resumed = perf_counter()
-        logits = self.runner.forward(self.prompt_ids, last_only=True)
-        self.cache.commit(self.prompt_ids.shape[1])
-        first = self.sampling.choose(logits[:, -1], self.generator).tolist()
-        yield from self._emit(self._advance([[token] for token in first]))
-        while self.rows:
-            mode = self.policy.choose()
-            started = perf_counter()
-            emitted, drafted, kept = self._decode_step(self.drafters.get(mode))   # kept: mean per row
-            self.policy.record(mode, kept + 1, perf_counter() - started, drafted, kept)
-            self.stats.record_step(mode, len(self.rows), kept + 1, drafted, kept)
-            yield from self._emit(self._advance(emitted))
-        self.stats.seconds += perf_counter() - self._resumed
+        """(row, token) as tokens are accepted; the cache is released when the loop ends (or
+        the iterator is closed)."""
+        try:
+            self._resumed = perf_counter()
+            logits = self.runner.forward(self.prompt_ids, last_only=True)
+            self.cache.commit(self.prompt_ids.shape[1])
+            first = self.sampling.choose(logits[:, -1], self.generator).tolist()
+            yield from self._emit(self._advance([[token] for token in first]))
+            while self.rows:
+                mode = self.policy.choose()
+                started = perf_counter()
+                emitted, drafted, kept = self._decode_step(self.drafters.get(mode))   # kept: mean per row
+                self.policy.record(mode, kept + 1, perf_counter() - started, drafted, kept)
+                self.stats.record_step(mode, len(self.rows), kept + 1, drafted, kept)
+                yield from self._emit(self._advance(emitted))
+            self.stats.seconds += perf_counter() - self._resumed
+        finally:
+            self.cache.release()
 
     def result(self) -> GenerationResult:
         """The outputs and stats, once iteration is over."""
@@ -398,7 +403,7 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
            eos_token_ids=(), stop: list[str] | None = None, decode: Callable | None = None,
            speculate: str = "off", draft_step: Callable | None = None, max_len: int | None = None,
            draft_tokens: int = 4, draft_threshold: float = 0.5,
-           draft_cost: float = 1.0) -> Scheduler:
+           draft_cost: float = 1.0, cache_pool: CachePool | None = None) -> Scheduler:
     """Generate from left-padded prompts `input_ids` [B, P] (or [P]); iterate the result for
     (row, token) as tokens are accepted, then call its `result()`.
 
@@ -409,7 +414,8 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
     what a light-path forward costs next to a full one, for 'auto' (0 for a light plan that
     calibration measured to pay: its first step may run at once). `stop`
     strings need `decode` (token ids -> text). `max_len`: the cache length (default: prompt +
-    max_new_tokens). Bad input raises a one-line `UserError` before anything runs."""
+    max_new_tokens; with a `cache_pool`, the K/V tensors come from it, that length rounded up
+    to its `slots`). Bad input raises a one-line `UserError` before anything runs."""
     prompt_ids, pads = _check_prompts(input_ids, attention_mask)
     max_len = check_lengths(prompt_ids.shape[1], max_new_tokens, shape.max_positions, max_len)
     _check_speculation(speculate, draft_step, draft_tokens)
@@ -417,8 +423,10 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
     eos_token_ids = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
 
     stats = GenerationStats()
+    if cache_pool is not None:
+        max_len = cache_pool.slots(max_len)
     cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, max_len, pads,
-                          shape.dtype, shape.device)
+                          shape.dtype, shape.device, pool=cache_pool)
     runner = ModelRunner(step, draft_step, cache, stats)
     prompts = [row[pad:] for row, pad in zip(prompt_ids.tolist(), pads.tolist())]
     generator = sampling.generator(shape.device)

@@ -4,10 +4,13 @@ their full length, written in place by the step at the slots it is given.
 All rows share the slot index (`cache_position`): a batch of prompts of different lengths is
 left-padded, and each row's pad slots stay masked (attention mask 0) for the whole request.
 Slots at or past `length` hold garbage that causality masks, so dropping uncommitted slots
-(a rejected draft) is just not advancing `length`.
+(a rejected draft) is just not advancing `length`. A `CachePool` keeps the tensors from one
+generation to the next, so that CUDA graphs of its steps (which read the cache where it is)
+replay in the next one.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -51,19 +54,69 @@ def copy_blocks(tensors: list[torch.Tensor], row: int, start: int,
     return start
 
 
+class CachePool:
+    """K/V tensors kept between generations (gpt-fast allocates its cache once). A CUDA graph
+    of a decoder step reads the cache where it is and is keyed by its address, so a generation
+    that gets the tensors of the one before replays that one's graphs instead of capturing its
+    own. A cache takes a set of tensors of one shape and gives it back when its generation
+    ends; at most `keep` sets wait per shape. Lengths are rounded up (`slots`) so that requests
+    of similar length share a shape. Thread-safe."""
+
+    def __init__(self, keep: int = 1, min_slots: int = 64):
+        self.keep, self.min_slots = keep, min_slots
+        self._free: dict[tuple, list[list[torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+        self.taken = self.reused = 0
+
+    def slots(self, needed: int) -> int:
+        """The cache length for `needed` slots: the next power of two, at least `min_slots`."""
+        return max(self.min_slots, 1 << (needed - 1).bit_length())
+
+    def take(self, count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
+        """`count` zeroed tensors of `shape`: a waiting set when there is one."""
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors say
+        with self._lock:
+            waiting = self._free.get((count, tuple(shape), dtype, device))
+            tensors = waiting.pop() if waiting else None
+            self.taken += 1
+            self.reused += tensors is not None
+        if tensors is None:
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+        for tensor in tensors:
+            tensor.zero_()
+        return tensors
+
+    def give_back(self, tensors: list[torch.Tensor]) -> None:
+        """`tensors` (from `take`, or any set of one shape nothing else uses) may be taken again."""
+        if not tensors:
+            return
+        first = tensors[0]
+        with self._lock:
+            waiting = self._free.setdefault(
+                (len(tensors), tuple(first.shape), first.dtype, first.device), [])
+            if len(waiting) < self.keep:
+                waiting.append(tensors)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
 class StaticKVCache:
     """K/V tensors [batch, kv_heads, slots, head_dim] (k0, v0, k1, v1, ...), the committed
     length, each row's next position, and the attention mask [batch, slots]: 0 on each row's
     left-pad slots and on the slots of drafts that row rejected while another row kept them
     (so rows of one batch keep different numbers of drafts without moving any K/V). The slot
-    axis grows in `block`s when a step needs more."""
+    axis grows in `block`s when a step needs more. With a `pool`, the tensors come from it and
+    go back to it (`release`)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int,
-                 pads: torch.Tensor, dtype=torch.float32, device="cpu", block: int = 64):
+                 pads: torch.Tensor, dtype=torch.float32, device="cpu", block: int = 64,
+                 pool: CachePool | None = None):
         batch = pads.shape[0]
-        self.block = block
-        self.tensors = [torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
-                        for _ in range(2 * layers)]
+        self.block, self.pool = block, pool
+        self.tensors = self._allocate(2 * layers, (batch, kv_heads, max_len, head_dim), dtype,
+                                      device)
         pads = pads.to(device=device, dtype=torch.long)
         self.positions = -pads   # each row's position at slot `length` (negative over its pads)
         self.attention_mask = (torch.arange(max_len, device=device)[None] >= pads[:, None]).long()
@@ -109,17 +162,39 @@ class StaticKVCache:
         if slots <= self.max_len:
             return
         extra = -(-(slots - self.max_len) // self.block) * self.block
-        self.tensors = [torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)
-                        for t in self.tensors]
+        old = self.tensors[0]
+        self._replace(old.shape[:2] + (self.max_len + extra,) + old.shape[3:],
+                      lambda tensor, into: into[:, :, :tensor.shape[2]].copy_(tensor))
         self.attention_mask = torch.cat(
             [self.attention_mask, self.attention_mask.new_ones(self.batch, extra)], 1)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (finished rows leave the batch)."""
         rows = rows.to(self.positions.device)
-        self.tensors = [t.index_select(0, rows) for t in self.tensors]
+        self._replace((len(rows),) + self.tensors[0].shape[1:],
+                      lambda tensor, into: torch.index_select(tensor, 0, rows, out=into))
         self.positions = self.positions.index_select(0, rows)
         self.attention_mask = self.attention_mask.index_select(0, rows)
+
+    def release(self) -> None:
+        """The generation is over: the tensors go back to the pool (if any)."""
+        if self.pool is not None:
+            self.pool.give_back(self.tensors)
+        self.tensors = []
+
+    def _allocate(self, count: int, shape: tuple, dtype, device) -> list[torch.Tensor]:
+        if self.pool is not None:
+            return self.pool.take(count, shape, dtype, device)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+
+    def _replace(self, shape: tuple, fill) -> None:
+        """New tensors of `shape`, each filled from the one it replaces by `fill(old, new)`."""
+        old = self.tensors
+        self.tensors = self._allocate(len(old), tuple(shape), old[0].dtype, old[0].device)
+        for tensor, into in zip(old, self.tensors):
+            fill(tensor, into)
+        if self.pool is not None:
+            self.pool.give_back(old)
 
 
 class BatchKVCache:

@@ -160,20 +160,53 @@ def test_encoders_have_no_decoder(compiled_tiny):
 
 def test_decode_steps_replay_one_graph_per_plan(compiled_tiny):
     """With (fake, CPU) CUDA graphs the decoder captures a decode step once per plan and
-    replays it; the prefill, seen once, runs eagerly; the tokens do not change."""
+    replays it; the prefill, seen once, runs eagerly; the tokens do not change. Later
+    generations take the same cache tensors from the pool, so they replay those graphs
+    (the prefill too, from its second sight) instead of capturing their own."""
     from test_cuda_graphs import FakeCapture
 
     compiled = compiled_tiny["llama"][0]
     expected = compiled.generate(PROMPTS, max_new_tokens=8).tokens
+    shorter = compiled.generate(PROMPTS, max_new_tokens=5).tokens
     compiled.use_cuda_graphs(capture=FakeCapture())
     try:
         assert compiled.generate(PROMPTS, max_new_tokens=8).tokens == expected
         stats = compiled.decoder.graphs.stats
         assert stats.captures == 1 and stats.replays == 6  # steps 2..8 of T = 1: one capture
         assert stats.eager_calls == 2                      # the prefill and the first step
+        assert compiled.generate(PROMPTS, max_new_tokens=8).tokens == expected
+        assert stats.captures == 2 and stats.replays == 6 + 8 and stats.eager_calls == 2
+        assert compiled.generate(PROMPTS, max_new_tokens=5).tokens == shorter  # same slots
+        assert stats.captures == 2 and stats.replays == 14 + 5
+        pool = compiled.decoder.cache_pool
+        assert pool.taken == 3 and pool.reused == 2
     finally:
         compiled.use_cuda_graphs(False)
-    assert compiled.decoder.graphs is None
+    assert compiled.decoder.graphs is None and compiled.decoder.cache_pool is None
+
+
+def test_cache_pool_rounds_lengths_and_hands_out_zeroed_tensors():
+    from rbcompile.kv_cache import CachePool, StaticKVCache
+
+    pool = CachePool(keep=1)
+    assert [pool.slots(n) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
+    cache = StaticKVCache(2, 1, 4, 64, torch.tensor([0, 1]), pool=pool)
+    tensors = cache.tensors
+    for tensor in tensors:
+        tensor.fill_(7.0)
+    cache.keep_rows(torch.tensor([1]))          # a smaller batch: tensors of the pool's
+    assert cache.tensors[0].shape == (1, 1, 64, 4) and (cache.tensors[0] == 7).all()
+    cache.release()
+    again = StaticKVCache(2, 1, 4, 64, torch.tensor([0, 0]), pool=pool)
+    assert [t.data_ptr() for t in again.tensors] == [t.data_ptr() for t in tensors]
+    assert all((t == 0).all() for t in again.tensors)
+    other = StaticKVCache(2, 1, 4, 64, torch.tensor([0, 0]), pool=pool)  # the set is taken
+    assert other.tensors[0].data_ptr() not in {t.data_ptr() for t in tensors}
+    assert pool.taken == 4 and pool.reused == 1
+    other.release()
+    again.release()                             # `keep` sets per shape wait; the rest go
+    first, second = (StaticKVCache(2, 1, 4, 64, torch.tensor([0, 0]), pool=pool) for _ in "ab")
+    assert pool.taken == 6 and pool.reused == 2
 
 
 def test_calibration_chooses_the_draft_plan_by_acceptance_and_cost(calibrated_tiny, tmp_path):
