@@ -230,7 +230,8 @@ class _Runner:
         self.graphs = None
         if options.cuda_graphs:
             module.region_cache.enabled = False
-            self.graphs = GraphCache(module, max_graphs=options.max_graphs)
+            # from a key's second call: an int input that changes at every call never captures
+            self.graphs = GraphCache(module, max_graphs=options.max_graphs, capture_after=2)
 
     def _choose(self):
         chosen = _current.get() or GateDecision(self.options.budget)

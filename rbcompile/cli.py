@@ -36,12 +36,13 @@ class _Stop:
         self.received = None
         self.ended = False
         self.commits = commits()
-        self.logging_level = logging.root.manager.disable
+        self.logging_level = None  # what logging.disable was before a signal turned it off
 
     def __call__(self, signum, frame):
         if self.received is not None or self.ended or commits() != self.commits:
             return
         self.received = signum
+        self.logging_level = logging.root.manager.disable
         logging.disable(logging.CRITICAL)
         raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
 
@@ -52,7 +53,9 @@ class _Stop:
         return {signum: signal.signal(signum, self) for signum in (signal.SIGINT, signal.SIGTERM)}
 
     def restore_logging(self) -> None:
-        logging.disable(self.logging_level)
+        """Logging as it was before the signal (if one came)."""
+        if self.logging_level is not None:
+            logging.disable(self.logging_level)
 
     def exit_code(self) -> int | None:
         return {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM}.get(self.received)

@@ -424,7 +424,7 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
 
     stats = GenerationStats()
     if cache_pool is not None:
-        max_len = cache_pool.slots(max_len)
+        max_len = cache_pool.slots(max_len, shape.max_positions)
     cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, max_len, pads,
                           shape.dtype, shape.device, pool=cache_pool)
     runner = ModelRunner(step, draft_step, cache, stats)

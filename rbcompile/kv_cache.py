@@ -59,25 +59,27 @@ class CachePool:
     of a decoder step reads the cache where it is and is keyed by its address, so a generation
     that gets the tensors of the one before replays that one's graphs instead of capturing its
     own. A cache takes a set of tensors of one shape and gives it back when its generation
-    ends; at most `keep` sets wait per shape. Lengths are rounded up (`slots`) so that requests
-    of similar length share a shape. Thread-safe."""
+    ends; at most `max_sets` sets wait, the least recently given back dropped first. Lengths
+    are rounded up (`slots`) so that requests of similar length share a shape. Thread-safe."""
 
-    def __init__(self, keep: int = 1, min_slots: int = 64):
-        self.keep, self.min_slots = keep, min_slots
-        self._free: dict[tuple, list[list[torch.Tensor]]] = {}
+    def __init__(self, max_sets: int = 2, min_slots: int = 64):
+        self.max_sets, self.min_slots = max_sets, min_slots
+        self._waiting: list[tuple[tuple, list[torch.Tensor]]] = []   # oldest first
         self._lock = threading.Lock()
         self.taken = self.reused = 0
 
-    def slots(self, needed: int) -> int:
-        """The cache length for `needed` slots: the next power of two, at least `min_slots`."""
-        return max(self.min_slots, 1 << (needed - 1).bit_length())
+    def slots(self, needed: int, limit: int) -> int:
+        """The cache length for `needed` slots: the next power of two, at least `min_slots`,
+        at most `limit` (the model's positions) unless `needed` is more."""
+        return max(needed, min(max(self.min_slots, 1 << (needed - 1).bit_length()), limit))
 
     def take(self, count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
         """`count` zeroed tensors of `shape`: a waiting set when there is one."""
         device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors say
+        key = (count, tuple(shape), dtype, device)
         with self._lock:
-            waiting = self._free.get((count, tuple(shape), dtype, device))
-            tensors = waiting.pop() if waiting else None
+            found = next((i for i, (waiting, _) in enumerate(self._waiting) if waiting == key), None)
+            tensors = None if found is None else self._waiting.pop(found)[1]
             self.taken += 1
             self.reused += tensors is not None
         if tensors is None:
@@ -87,19 +89,16 @@ class CachePool:
         return tensors
 
     def give_back(self, tensors: list[torch.Tensor]) -> None:
-        """`tensors` (from `take`, or any set of one shape nothing else uses) may be taken again."""
-        if not tensors:
-            return
+        """`tensors`, a set `take` gave, may be taken again."""
         first = tensors[0]
         with self._lock:
-            waiting = self._free.setdefault(
-                (len(tensors), tuple(first.shape), first.dtype, first.device), [])
-            if len(waiting) < self.keep:
-                waiting.append(tensors)
+            self._waiting.append(((len(tensors), tuple(first.shape), first.dtype, first.device),
+                                  tensors))
+            del self._waiting[:-self.max_sets]
 
     def clear(self) -> None:
         with self._lock:
-            self._free.clear()
+            self._waiting.clear()
 
 
 class StaticKVCache:
@@ -107,16 +106,18 @@ class StaticKVCache:
     length, each row's next position, and the attention mask [batch, slots]: 0 on each row's
     left-pad slots and on the slots of drafts that row rejected while another row kept them
     (so rows of one batch keep different numbers of drafts without moving any K/V). The slot
-    axis grows in `block`s when a step needs more. With a `pool`, the tensors come from it and
-    go back to it (`release`)."""
+    axis grows in `block`s when a step needs more. With a `pool`, the first tensors come from
+    it and go back to it (when a step grows the cache or drops rows, or at `release`); the
+    ones that replace them are the cache's own."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int,
                  pads: torch.Tensor, dtype=torch.float32, device="cpu", block: int = 64,
                  pool: CachePool | None = None):
         batch = pads.shape[0]
         self.block, self.pool = block, pool
-        self.tensors = self._allocate(2 * layers, (batch, kv_heads, max_len, head_dim), dtype,
-                                      device)
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.tensors = (pool.take(2 * layers, shape, dtype, device) if pool is not None else
+                        [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * layers)])
         pads = pads.to(device=device, dtype=torch.long)
         self.positions = -pads   # each row's position at slot `length` (negative over its pads)
         self.attention_mask = (torch.arange(max_len, device=device)[None] >= pads[:, None]).long()
@@ -177,24 +178,22 @@ class StaticKVCache:
         self.attention_mask = self.attention_mask.index_select(0, rows)
 
     def release(self) -> None:
-        """The generation is over: the tensors go back to the pool (if any)."""
-        if self.pool is not None:
-            self.pool.give_back(self.tensors)
+        """The generation is over: the pool's tensors (if still in use) go back to it."""
+        self._give_back(self.tensors)
         self.tensors = []
 
-    def _allocate(self, count: int, shape: tuple, dtype, device) -> list[torch.Tensor]:
+    def _give_back(self, tensors: list[torch.Tensor]) -> None:
         if self.pool is not None:
-            return self.pool.take(count, shape, dtype, device)
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+            self.pool.give_back(tensors)
+            self.pool = None
 
     def _replace(self, shape: tuple, fill) -> None:
         """New tensors of `shape`, each filled from the one it replaces by `fill(old, new)`."""
         old = self.tensors
-        self.tensors = self._allocate(len(old), tuple(shape), old[0].dtype, old[0].device)
+        self.tensors = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t in old]
         for tensor, into in zip(old, self.tensors):
             fill(tensor, into)
-        if self.pool is not None:
-            self.pool.give_back(old)
+        self._give_back(old)
 
 
 class BatchKVCache:

@@ -188,25 +188,28 @@ def test_decode_steps_replay_one_graph_per_plan(compiled_tiny):
 def test_cache_pool_rounds_lengths_and_hands_out_zeroed_tensors():
     from rbcompile.kv_cache import CachePool, StaticKVCache
 
-    pool = CachePool(keep=1)
-    assert [pool.slots(n) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
-    cache = StaticKVCache(2, 1, 4, 64, torch.tensor([0, 1]), pool=pool)
-    tensors = cache.tensors
+    def cache(pads=(0, 0)):
+        return StaticKVCache(2, 1, 4, 64, torch.tensor(pads), pool=pool)
+
+    pool = CachePool(max_sets=1)
+    assert [pool.slots(n, 1024) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
+    assert pool.slots(300, 320) == 320 and pool.slots(400, 320) == 400
+    first = cache((0, 1))
+    tensors = first.tensors
     for tensor in tensors:
         tensor.fill_(7.0)
-    cache.keep_rows(torch.tensor([1]))          # a smaller batch: tensors of the pool's
-    assert cache.tensors[0].shape == (1, 1, 64, 4) and (cache.tensors[0] == 7).all()
-    cache.release()
-    again = StaticKVCache(2, 1, 4, 64, torch.tensor([0, 0]), pool=pool)
+    first.keep_rows(torch.tensor([1]))      # its own tensors now; the pool's set goes back
+    assert first.tensors[0].shape == (1, 1, 64, 4) and (first.tensors[0] == 7).all()
+    first.release()                         # nothing more to give back
+    again, other = cache(), cache()         # the waiting set, zeroed; then a new one
     assert [t.data_ptr() for t in again.tensors] == [t.data_ptr() for t in tensors]
     assert all((t == 0).all() for t in again.tensors)
-    other = StaticKVCache(2, 1, 4, 64, torch.tensor([0, 0]), pool=pool)  # the set is taken
     assert other.tensors[0].data_ptr() not in {t.data_ptr() for t in tensors}
-    assert pool.taken == 4 and pool.reused == 1
+    assert pool.taken == 3 and pool.reused == 1
     other.release()
-    again.release()                             # `keep` sets per shape wait; the rest go
-    first, second = (StaticKVCache(2, 1, 4, 64, torch.tensor([0, 0]), pool=pool) for _ in "ab")
-    assert pool.taken == 6 and pool.reused == 2
+    again.release()                         # max_sets=1: the earlier set is dropped
+    assert cache().tensors[0].data_ptr() == tensors[0].data_ptr()
+    assert pool.taken == 4 and pool.reused == 2
 
 
 def test_calibration_chooses_the_draft_plan_by_acceptance_and_cost(calibrated_tiny, tmp_path):
