@@ -300,13 +300,15 @@ class CompiledModel:
 
     def batch_engine(self, max_batch: int = 16, **options):
         """A continuous-batching engine on the decoder (rbcompile/engine.py), for serving;
-        `options` are BatchEngine's."""
+        `options` are BatchEngine's (`batch_buckets` defaults to whether the decoder runs
+        CUDA graphs)."""
         from .engine import BatchEngine
 
         if self.decoder is None:
             raise UserError("continuous batching needs a decoder artifact with a KV-cached decoder")
         eos = self.hf_config.get("eos_token_id")
         decode = self.tokenizer.decode if self.tokenizer_dir is not None else None
+        options.setdefault("batch_buckets", self.decoder.graphs is not None)
         return BatchEngine(self.decoder, self.decoder.shape, gates_for_budget=self.decoder_gates,
                            eos_token_ids=() if eos is None else eos, decode=decode,
                            max_batch=max_batch, **options)

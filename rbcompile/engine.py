@@ -118,13 +118,17 @@ class BatchEngine:
     gates=None)` is the artifact's decoder (see decoder.Decoder); `gates_for_budget(budget)`
     its gates for a budget (None: the full path). `prefill_chunk`: prompts longer than this
     are prefilled in chunks of it (None: never). `draft_tokens`: most drafts per speculating
-    row and step; `verify_tokens`: most tokens (rows x (1 + drafts)) a speculative step runs."""
+    row and step; `verify_tokens`: most tokens (rows x (1 + drafts)) a speculative step runs.
+    `batch_buckets`: a decode step runs the next power of two of rows (at most `max_batch`),
+    the rows past the running ones idle, so that CUDA graphs of the step are one per bucket
+    rather than one per count of running rows."""
 
     def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
                  eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
                  block: int = 64, wake: threading.Condition | None = None,
                  prefix_cache: PrefixCache | None = None, prefill_tokens: int = 2048,
-                 prefill_chunk: int | None = 512, draft_tokens: int = 4, verify_tokens: int = 64):
+                 prefill_chunk: int | None = 512, draft_tokens: int = 4, verify_tokens: int = 64,
+                 batch_buckets: bool = False):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_tokens < 1:
@@ -136,6 +140,7 @@ class BatchEngine:
                             f"and {verify_tokens}")
         self.prefill_tokens, self.prefill_chunk = prefill_tokens, prefill_chunk
         self.draft_tokens, self.verify_tokens = draft_tokens, verify_tokens
+        self.batch_buckets = batch_buckets
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
@@ -373,13 +378,17 @@ class BatchEngine:
         drafts = self._drafts()
         width = 1 + max(map(len, drafts))
         cache.reserve_step(width)
-        rows = slice(0, cache.active)
+        active = cache.active
+        rows = slice(0, self._step_rows(active))
         ids = [[request.tokens[-1], *draft] + [request.tokens[-1]] * (width - 1 - len(draft))
                for request, draft in zip(self.running, drafts)]
+        ids += [[0] * width] * (rows.stop - active)
+        mask, positions = cache.attention_mask(rows), cache.positions(rows)
+        mask[active:], positions[active:] = 1, 0  # idle rows: finite values in their own rows
         offsets = torch.arange(width, device=device)
-        logits = self.step_fn(torch.tensor(ids, device=device), cache.attention_mask(rows),
-                              cache.positions(rows)[:, None] + offsets, cache.length + offsets,
-                              offsets, cache.views(rows), gates=self._gates(self.running))
+        logits = self.step_fn(torch.tensor(ids, device=device), mask,
+                              positions[:, None] + offsets, cache.length + offsets,
+                              offsets, cache.views(rows), gates=self._gates(self.running))[:active]
         emitted = self._verify(logits, drafts)
         cache.advance_rows([len(tokens) - 1 for tokens in emitted], width)
         self.stats.decode_steps += 1
@@ -394,6 +403,12 @@ class BatchEngine:
                 if request.finish_reason is not None:
                     break
         self._leave_finished()
+
+    def _step_rows(self, active: int) -> int:
+        """Rows a decode step runs: the running ones, or their batch bucket."""
+        if not self.batch_buckets:
+            return active
+        return min(1 << (active - 1).bit_length(), self.cache.rows)
 
     def _drafts(self) -> list[list[int]]:
         """Each running row's drafts this step ([] without `speculate` or a match): at most

@@ -288,3 +288,28 @@ def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(
     # a prompt that shifts the rows right to a block boundary: the slot `place` reserves after
     # it must not compact them back (that left the newcomer a negative pad)
     join(4, (cache.length // cache.block + 2) * cache.block)
+
+
+def test_decode_steps_run_batch_buckets_under_cuda_graphs(compiled_tiny):
+    """Under (fake, CPU) CUDA graphs a decode step runs the next power of two of rows, the rows
+    past the running ones idle, so that its graphs are one per bucket; every request still gets
+    the tokens it would get alone."""
+    from test_cuda_graphs import FakeCapture
+
+    compiled = compiled_tiny["llama"][0]
+    lengths = (9, 5, 7)
+    expected = [alone(compiled, prompt, new) for prompt, new in zip(PROMPTS, lengths)]
+    compiled.use_cuda_graphs(capture=FakeCapture())
+    try:
+        engine = compiled.batch_engine(max_batch=4)
+        assert engine.batch_buckets
+        graphs, shapes = compiled.decoder.graphs, []
+        run = graphs.run
+        graphs.run = lambda ids, *rest: shapes.append(tuple(ids.shape)) or run(ids, *rest)
+        requests = [EngineRequest(prompt, new) for prompt, new in zip(PROMPTS, lengths)]
+        drain(engine, requests, {0: requests})
+        assert [request.tokens for request in requests] == expected
+        assert {rows for rows, width in shapes if width == 1} == {4, 2, 1}  # 3 rows ran as 4
+        assert graphs.stats.replays > 0
+    finally:
+        compiled.use_cuda_graphs(False)
