@@ -414,7 +414,7 @@ class BatchEngine:
         """Each running row's drafts this step ([] without `speculate` or a match): at most
         `draft_tokens`, one less than the tokens it has left, and as many as keep the step
         within `verify_tokens` tokens."""
-        limit = min(self.draft_tokens, self.verify_tokens // len(self.running) - 1)
+        limit = min(self.draft_tokens, self.verify_tokens // self._step_rows(len(self.running)) - 1)
         if limit < 1 or not self.drafters:
             return [[] for _ in self.running]
         return [self.drafters[request].propose(min(limit, request.max_new_tokens - len(request.tokens) - 1))

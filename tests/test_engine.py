@@ -293,23 +293,33 @@ def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(
 def test_decode_steps_run_batch_buckets_under_cuda_graphs(compiled_tiny):
     """Under (fake, CPU) CUDA graphs a decode step runs the next power of two of rows, the rows
     past the running ones idle, so that its graphs are one per bucket; every request still gets
-    the tokens it would get alone."""
+    the tokens it would get alone, and a speculative step stays within `verify_tokens` counting
+    the idle rows."""
     from test_cuda_graphs import FakeCapture
 
     compiled = compiled_tiny["llama"][0]
-    lengths = (9, 5, 7)
-    expected = [alone(compiled, prompt, new) for prompt, new in zip(PROMPTS, lengths)]
+    prompts, lengths = [PROMPTS[0] * 2, PROMPTS[1], PROMPTS[2]], (9, 5, 7)
+    expected = [alone(compiled, prompt, new) for prompt, new in zip(prompts, lengths)]
     compiled.use_cuda_graphs(capture=FakeCapture())
     try:
-        engine = compiled.batch_engine(max_batch=4)
+        engine = compiled.batch_engine(max_batch=4, verify_tokens=9)
         assert engine.batch_buckets
-        graphs, shapes = compiled.decoder.graphs, []
+        graphs, steps = compiled.decoder.graphs, []
         run = graphs.run
-        graphs.run = lambda ids, *rest: shapes.append(tuple(ids.shape)) or run(ids, *rest)
-        requests = [EngineRequest(prompt, new) for prompt, new in zip(PROMPTS, lengths)]
+
+        def recorded(ids, mask, position_ids, cache_position, logit_positions, *rest):
+            if len(logit_positions) == ids.shape[1]:  # a decode step (a prefill asks for one)
+                steps.append(tuple(ids.shape))
+            return run(ids, mask, position_ids, cache_position, logit_positions, *rest)
+
+        graphs.run = recorded
+        requests = [EngineRequest(prompt, new, speculate=True)
+                    for prompt, new in zip(prompts, lengths)]
         drain(engine, requests, {0: requests})
         assert [request.tokens for request in requests] == expected
-        assert {rows for rows, width in shapes if width == 1} == {4, 2, 1}  # 3 rows ran as 4
+        assert {rows for rows, _ in steps} == {4, 2, 1}          # 3 rows ran as 4
+        assert max(width for _, width in steps) > 1              # drafts were verified
+        assert all(rows * width <= 9 for rows, width in steps)
         assert graphs.stats.replays > 0
     finally:
         compiled.use_cuda_graphs(False)
