@@ -48,7 +48,7 @@ import torch
 from .drafters import NGramDrafter
 from .errors import UserError
 from .generation import RowTokens, StopCriteria, check_lengths, check_stop
-from .kv_cache import BatchKVCache, DecoderShape, copy_blocks
+from .kv_cache import BatchKVCache, DecoderShape, copy_blocks, power_of_two_at_least, zeros
 from .prefix_cache import PrefixCache
 from .sampling import SamplingConfig, verify
 
@@ -289,8 +289,8 @@ class BatchEngine:
         """K/V of the group's whole prompt, the prefix cache's blocks copied in, under the
         gates of the group's budget now."""
         prompt, gates, shape = group[0].prompt, self._gates(group), self.shape
-        kv = [torch.zeros(1, shape.kv_heads, len(prompt), shape.head_dim, dtype=shape.dtype,
-                          device=shape.device) for _ in range(2 * shape.layers)]
+        kv = zeros(2 * shape.layers, (1, shape.kv_heads, len(prompt), shape.head_dim),
+                   shape.dtype, shape.device)
         blocks = self.prefix_cache.lookup(prompt, gates) if self.prefix_cache else []
         done = copy_blocks(kv, 0, 0, [block.tensors for block in blocks])
         self.stats.reused_prompt_tokens += done
@@ -408,7 +408,7 @@ class BatchEngine:
         """Rows a decode step runs: the running ones, or their batch bucket."""
         if not self.batch_buckets:
             return active
-        return min(1 << (active - 1).bit_length(), self.cache.rows)
+        return min(power_of_two_at_least(active), self.cache.rows)
 
     def _drafts(self) -> list[list[int]]:
         """Each running row's drafts this step ([] without `speculate` or a match): at most

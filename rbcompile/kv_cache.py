@@ -54,6 +54,17 @@ def copy_blocks(tensors: list[torch.Tensor], row: int, start: int,
     return start
 
 
+def power_of_two_at_least(n: int) -> int:
+    """The bucket of `n` (a batch, a length): the next power of two, so that CUDA graphs are
+    one per bucket rather than one per value."""
+    return 1 << (n - 1).bit_length()
+
+
+def zeros(count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """`count` zero tensors of `shape` (a set of K/V cache tensors)."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+
+
 class CachePool:
     """K/V tensors kept between generations (gpt-fast allocates its cache once). A CUDA graph
     of a decoder step reads the cache where it is and is keyed by its address, so a generation
@@ -71,7 +82,7 @@ class CachePool:
     def slots(self, needed: int, limit: int) -> int:
         """The cache length for `needed` slots: the next power of two, at least `min_slots`,
         at most `limit` (the model's positions) unless `needed` is more."""
-        return max(needed, min(max(self.min_slots, 1 << (needed - 1).bit_length()), limit))
+        return max(needed, min(max(self.min_slots, power_of_two_at_least(needed)), limit))
 
     def take(self, count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
         """`count` zeroed tensors of `shape`: a waiting set when there is one."""
@@ -83,7 +94,7 @@ class CachePool:
             self.taken += 1
             self.reused += tensors is not None
         if tensors is None:
-            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+            return zeros(count, shape, dtype, device)
         for tensor in tensors:
             tensor.zero_()
         return tensors
@@ -116,8 +127,7 @@ class StaticKVCache:
         batch = pads.shape[0]
         self.block, self.pool = block, pool
         shape = (batch, kv_heads, max_len, head_dim)
-        self.tensors = (pool.take(2 * layers, shape, dtype, device) if pool is not None else
-                        [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * layers)])
+        self.tensors = (pool.take if pool is not None else zeros)(2 * layers, shape, dtype, device)
         pads = pads.to(device=device, dtype=torch.long)
         self.positions = -pads   # each row's position at slot `length` (negative over its pads)
         self.attention_mask = (torch.arange(max_len, device=device)[None] >= pads[:, None]).long()
@@ -163,17 +173,15 @@ class StaticKVCache:
         if slots <= self.max_len:
             return
         extra = -(-(slots - self.max_len) // self.block) * self.block
-        old = self.tensors[0]
-        self._replace(old.shape[:2] + (self.max_len + extra,) + old.shape[3:],
-                      lambda tensor, into: into[:, :, :tensor.shape[2]].copy_(tensor))
+        self._replace([torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)
+                       for t in self.tensors])
         self.attention_mask = torch.cat(
             [self.attention_mask, self.attention_mask.new_ones(self.batch, extra)], 1)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (finished rows leave the batch)."""
         rows = rows.to(self.positions.device)
-        self._replace((len(rows),) + self.tensors[0].shape[1:],
-                      lambda tensor, into: torch.index_select(tensor, 0, rows, out=into))
+        self._replace([t.index_select(0, rows) for t in self.tensors])
         self.positions = self.positions.index_select(0, rows)
         self.attention_mask = self.attention_mask.index_select(0, rows)
 
@@ -187,12 +195,9 @@ class StaticKVCache:
             self.pool.give_back(tensors)
             self.pool = None
 
-    def _replace(self, shape: tuple, fill) -> None:
-        """New tensors of `shape`, each filled from the one it replaces by `fill(old, new)`."""
-        old = self.tensors
-        self.tensors = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t in old]
-        for tensor, into in zip(old, self.tensors):
-            fill(tensor, into)
+    def _replace(self, tensors: list[torch.Tensor]) -> None:
+        """`tensors` (the cache's own) replace the ones it had."""
+        old, self.tensors = self.tensors, tensors
         self._give_back(old)
 
 
@@ -224,8 +229,7 @@ class BatchKVCache:
 
     def _allocate(self, capacity: int) -> list[torch.Tensor]:
         s = self.shape
-        return [torch.zeros(self.rows, s.kv_heads, capacity, s.head_dim, dtype=s.dtype, device=s.device)
-                for _ in range(2 * s.layers)]
+        return zeros(2 * s.layers, (self.rows, s.kv_heads, capacity, s.head_dim), s.dtype, s.device)
 
     def views(self, rows: slice) -> list[torch.Tensor]:
         """The cache tensors of `rows` (views: a step writes into the batch's storage)."""
