@@ -42,9 +42,10 @@ class Decoder:
         """Run steps through CUDA graphs, one per (gates, input shapes, cache tensors): a
         decode step is then one replay. The cache tensors (the 4-D inputs) are read and written
         where they are, so a generation's steps share its graph, and generations take their
-        cache from `cache_pool`, so later ones of the same batch and rounded length replay the
-        graphs of earlier ones (the prefill too, from its second sight of a prompt length). A
-        key seen once runs eagerly. `capture` replaces the CUDA capture (tests: a fake one)."""
+        cache from `cache_pool`, so later ones of the same batch bucket and rounded length
+        replay the graphs of earlier ones (the prefill too, from its second sight of a prompt
+        length). A key seen once runs eagerly. `capture` replaces the CUDA capture (tests: a
+        fake one)."""
         self.graphs, self.cache_pool = None, None
         if enabled:
             self.module.region_cache.enabled = False  # the graph computes those values itself

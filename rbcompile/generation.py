@@ -25,7 +25,7 @@ import torch
 
 from .drafters import NGramDrafter
 from .errors import UserError
-from .kv_cache import CachePool, DecoderShape, StaticKVCache
+from .kv_cache import CachePool, DecoderShape, StaticKVCache, padded_rows
 from .sampling import SamplingConfig, verify
 
 SPECULATE_MODES = ("off", "ngram", "self", "auto")
@@ -88,18 +88,19 @@ class ModelRunner:
     def forward(self, tokens: torch.Tensor, offset: int = 0, light: bool = False,
                 last_only: bool = False) -> torch.Tensor:
         """Logits [B, T, vocab] (or [B, 1, vocab] with `last_only`) of `tokens` [B, T] written
-        from slot `length + offset` on."""
+        from slot `length + offset` on (the cache's idle rows run copies of the last row)."""
         attention_mask, position_ids, cache_position = self.cache.inputs(tokens.shape[1], offset)
-        count = tokens.shape[1]
+        rows, count = tokens.shape
         logit_positions = torch.arange(count - 1 if last_only else 0, count, device=tokens.device)
         step = self.draft_step if light else self.step
         with torch.no_grad():
-            logits = step(tokens, attention_mask, position_ids, cache_position, logit_positions,
+            logits = step(tokens[padded_rows(rows, self.cache.batch, tokens.device)],
+                          attention_mask, position_ids, cache_position, logit_positions,
                           self.cache.tensors)
         self.stats.forward_calls += 1
         if not light:
-            self.stats.rows_per_step.append(tokens.shape[0])
-        return logits
+            self.stats.rows_per_step.append(rows)
+        return logits[:rows]
 
 
 @dataclass

@@ -60,9 +60,19 @@ def power_of_two_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def padded_rows(running: int, rows: int, device) -> torch.Tensor:
+    """Row indices [rows]: 0 .. running - 1, then copies of the last (a batch bucket's idle
+    rows)."""
+    return torch.arange(rows, device=device).clamp_max(running - 1)
+
+
 def zeros(count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
     """`count` zero tensors of `shape` (a set of K/V cache tensors)."""
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 class CachePool:
@@ -70,11 +80,14 @@ class CachePool:
     of a decoder step reads the cache where it is and is keyed by its address, so a generation
     that gets the tensors of the one before replays that one's graphs instead of capturing its
     own. A cache takes a set of tensors of one shape and gives it back when its generation
-    ends; at most `max_sets` sets wait, the least recently given back dropped first. Lengths
-    are rounded up (`slots`) so that requests of similar length share a shape. Thread-safe."""
+    ends or its batch moves to a smaller bucket. The sets waiting hold at most `max_share`
+    times the bytes of the largest of them, the least recently given back dropped first: two
+    sets of one shape, or one batch's buckets (8, 4, 2 and 1 rows: under twice the 8-row
+    set's bytes). Lengths are rounded up (`slots`) so that requests of similar length share a
+    shape. Thread-safe."""
 
-    def __init__(self, max_sets: int = 2, min_slots: int = 64):
-        self.max_sets, self.min_slots = max_sets, min_slots
+    def __init__(self, max_share: float = 2.0, min_slots: int = 64):
+        self.max_share, self.min_slots = max_share, min_slots
         self._waiting: list[tuple[tuple, list[torch.Tensor]]] = []   # oldest first
         self._lock = threading.Lock()
         self.taken = self.reused = 0
@@ -105,7 +118,9 @@ class CachePool:
         with self._lock:
             self._waiting.append(((len(tensors), tuple(first.shape), first.dtype, first.device),
                                   tensors))
-            del self._waiting[:-self.max_sets]
+            sizes = [_bytes(waiting) for _, waiting in self._waiting]
+            while sum(sizes) > self.max_share * max(sizes):
+                del self._waiting[0], sizes[0]
 
     def clear(self) -> None:
         with self._lock:
@@ -117,24 +132,32 @@ class StaticKVCache:
     length, each row's next position, and the attention mask [batch, slots]: 0 on each row's
     left-pad slots and on the slots of drafts that row rejected while another row kept them
     (so rows of one batch keep different numbers of drafts without moving any K/V). The slot
-    axis grows in `block`s when a step needs more. With a `pool`, the first tensors come from
-    it and go back to it (when a step grows the cache or drops rows, or at `release`); the
-    ones that replace them are the cache's own."""
+    axis grows in `block`s when a step needs more.
+
+    With a `pool` (CUDA graphs), the batch comes in buckets: its rows are the next power of two
+    of the running ones, the rows past those idling as copies of the last running row (the
+    caller runs them on copies of its tokens, see `ModelRunner`), and the tensors of each
+    bucket come from the pool and go back to it when rows finish and the batch moves to a
+    smaller bucket, or at `release`; so a decode step's graph is one per batch bucket. Tensors
+    a step grows are the cache's own."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int,
                  pads: torch.Tensor, dtype=torch.float32, device="cpu", block: int = 64,
                  pool: CachePool | None = None):
-        batch = pads.shape[0]
         self.block, self.pool = block, pool
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.tensors = (pool.take if pool is not None else zeros)(2 * layers, shape, dtype, device)
         pads = pads.to(device=device, dtype=torch.long)
+        if pool is not None:
+            pads = pads[self._bucket_rows(len(pads), pads.device)]
+        shape = (len(pads), kv_heads, max_len, head_dim)
+        self.tensors = (pool.take if pool is not None else zeros)(2 * layers, shape, dtype, device)
+        self._pooled = pool is not None   # the tensors are the pool's (given back when replaced)
         self.positions = -pads   # each row's position at slot `length` (negative over its pads)
         self.attention_mask = (torch.arange(max_len, device=device)[None] >= pads[:, None]).long()
         self.length = 0
 
     @property
     def batch(self) -> int:
+        """Rows, the idle ones included."""
         return self.positions.shape[0]
 
     @property
@@ -159,8 +182,10 @@ class StaticKVCache:
 
     def commit_rows(self, kept: list[int]) -> None:
         """After a verification step (a pending token and drafts written from slot `length`):
-        row i keeps its pending token and `kept[i]` drafts. The batch advances past the most
-        kept; each row's rejected slots before that are masked."""
+        running row i keeps its pending token and `kept[i]` drafts (idle rows: as the last
+        running row). The batch advances past the most kept; each row's rejected slots before
+        that are masked."""
+        kept = kept + kept[-1:] * (self.batch - len(kept))
         most = max(kept)
         for row, count in enumerate(kept):
             if count < most:
@@ -174,31 +199,44 @@ class StaticKVCache:
             return
         extra = -(-(slots - self.max_len) // self.block) * self.block
         self._replace([torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)
-                       for t in self.tensors])
+                       for t in self.tensors], pooled=False)
         self.attention_mask = torch.cat(
             [self.attention_mask, self.attention_mask.new_ones(self.batch, extra)], 1)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows` (finished rows leave the batch)."""
-        rows = rows.to(self.positions.device)
-        self._replace([t.index_select(0, rows) for t in self.tensors])
-        self.positions = self.positions.index_select(0, rows)
-        self.attention_mask = self.attention_mask.index_select(0, rows)
+        """Keep only running rows `rows`, in that order (finished rows leave the batch; with a
+        pool, the batch shrinks to their bucket)."""
+        device = self.positions.device
+        index = rows.to(device)[self._bucket_rows(len(rows), device)]
+        moved = [t.index_select(0, index) for t in self.tensors]
+        if len(index) == self.batch:     # the same bucket: the rows move within the tensors
+            for tensor, rows_moved in zip(self.tensors, moved):
+                tensor.copy_(rows_moved)
+        elif self.pool is not None:      # a smaller bucket: its tensors come from the pool
+            tensors = self.pool.take(len(moved), moved[0].shape, moved[0].dtype, moved[0].device)
+            for tensor, rows_moved in zip(tensors, moved):
+                tensor.copy_(rows_moved)
+            self._replace(tensors, pooled=True)
+        else:
+            self._replace(moved, pooled=False)
+        self.positions = self.positions.index_select(0, index)
+        self.attention_mask = self.attention_mask.index_select(0, index)
 
     def release(self) -> None:
         """The generation is over: the pool's tensors (if still in use) go back to it."""
-        self._give_back(self.tensors)
-        self.tensors = []
+        self._replace([], pooled=False)
 
-    def _give_back(self, tensors: list[torch.Tensor]) -> None:
-        if self.pool is not None:
-            self.pool.give_back(tensors)
-            self.pool = None
+    def _bucket_rows(self, running: int, device) -> torch.Tensor:
+        """Indices of the batch's rows for `running` running rows: those, then (with a pool)
+        copies of the last up to the next power of two."""
+        rows = power_of_two_at_least(running) if self.pool is not None else running
+        return padded_rows(running, rows, device)
 
-    def _replace(self, tensors: list[torch.Tensor]) -> None:
-        """`tensors` (the cache's own) replace the ones it had."""
-        old, self.tensors = self.tensors, tensors
-        self._give_back(old)
+    def _replace(self, tensors: list[torch.Tensor], pooled: bool) -> None:
+        """`tensors` (the pool's when `pooled`) replace the ones the cache had."""
+        if self._pooled:
+            self.pool.give_back(self.tensors)
+        self.tensors, self._pooled = tensors, pooled
 
 
 class BatchKVCache:

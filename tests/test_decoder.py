@@ -185,31 +185,84 @@ def test_decode_steps_replay_one_graph_per_plan(compiled_tiny):
     assert compiled.decoder.graphs is None and compiled.decoder.cache_pool is None
 
 
+def test_finished_rows_move_the_batch_to_smaller_buckets_under_cuda_graphs(compiled_tiny):
+    """With (fake) CUDA graphs a batch runs in power-of-two buckets: 3 prompts as 4 rows, and
+    as rows finish the batch moves to the bucket of the rows left, its tensors from the pool.
+    So a generation that repeats the last one replays every step's graph (before, each shrink
+    made tensors of its own, captured anew by every generation); tokens are eager's, with and
+    without drafts."""
+    from test_cuda_graphs import FakeCapture
+
+    compiled = compiled_tiny["llama"][0]
+    prompts = torch.cat([PROMPTS, PROMPTS[1:].flip(1)])
+    own_eos, compiled.hf_config["eos_token_id"] = compiled.hf_config["eos_token_id"], None
+    try:
+        free = compiled.generate(prompts, max_new_tokens=10).tokens
+        eos = next([a, b] for a in free[0][1:6] for b in free[1][1:6]   # rows end at 3 lengths
+                   if len({_ended(row, [a, b]) for row in free}) == 3)
+        compiled.hf_config["eos_token_id"] = eos
+        expected = compiled.generate(prompts, max_new_tokens=10).tokens
+        compiled.use_cuda_graphs(capture=FakeCapture())
+        graphs, batches = compiled.decoder.graphs, []
+        run = graphs.run
+
+        def recorded(ids, *rest):
+            batches.append(ids.shape[0])
+            return run(ids, *rest)
+
+        graphs.run = recorded
+        for speculate in ("off", "off", "ngram", "off"):
+            before = (graphs.stats.captures, graphs.stats.eager_calls)
+            assert compiled.generate(prompts, max_new_tokens=10, speculate=speculate).tokens == expected
+        assert (graphs.stats.captures, graphs.stats.eager_calls) == before   # all replayed
+        assert set(batches) == {4, 2, 1}
+        assert compiled.decoder.cache_pool.reused >= 3 * 3   # each bucket's set, generations 2-4
+    finally:
+        compiled.use_cuda_graphs(False)
+        compiled.hf_config["eos_token_id"] = own_eos
+
+
+def _ended(tokens: list[int], eos: list[int]) -> int:
+    """How many tokens a row keeps when it ends at the first of `eos`."""
+    return next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))
+
+
 def test_cache_pool_rounds_lengths_and_hands_out_zeroed_tensors():
     from rbcompile.kv_cache import CachePool, StaticKVCache
 
-    def cache(pads=(0, 0)):
+    def cache(pads):
         return StaticKVCache(2, 1, 4, 64, torch.tensor(pads), pool=pool)
 
-    pool = CachePool(max_sets=1)
+    def rows(cache):  # what each row holds (rows are filled with their first index below)
+        return cache.tensors[0][:, 0, 0, 0].tolist()
+
+    pool = CachePool(max_share=1.5)
     assert [pool.slots(n, 1024) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
     assert pool.slots(300, 320) == 320 and pool.slots(400, 320) == 400
-    first = cache((0, 1))
-    tensors = first.tensors
-    for tensor in tensors:
-        tensor.fill_(7.0)
-    first.keep_rows(torch.tensor([1]))      # its own tensors now; the pool's set goes back
-    assert first.tensors[0].shape == (1, 1, 64, 4) and (first.tensors[0] == 7).all()
-    first.release()                         # nothing more to give back
-    again, other = cache(), cache()         # the waiting set, zeroed; then a new one
-    assert [t.data_ptr() for t in again.tensors] == [t.data_ptr() for t in tensors]
+    first = cache((0, 1, 2))                # 3 rows: a bucket of 4, the last a copy of row 2
+    assert first.batch == 4 and first.tensors[0].shape == (4, 1, 64, 4)
+    assert first.attention_mask[:, :3].tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 1]]
+    four = first.tensors
+    for tensor in four:
+        tensor.copy_(torch.arange(4.0)[:, None, None, None].expand_as(tensor))
+    first.keep_rows(torch.tensor([0, 2, 1]))   # the same bucket: rows move within the tensors
+    assert first.tensors is four and rows(first) == [0, 2, 1, 1]
+    assert first.attention_mask[:, :3].tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1], [0, 1, 1]]
+    first.keep_rows(torch.tensor([1]))      # a bucket of 1: a set of the pool's; 4 rows go back
+    assert rows(first) == [2] and first.positions.tolist() == [-2]
+    one = first.tensors
+    first.release()
+    again, other = cache((0, 0, 0, 0)), cache((0, 0, 0, 0))   # the waiting set, zeroed; a new one
+    assert [t.data_ptr() for t in again.tensors] == [t.data_ptr() for t in four]
     assert all((t == 0).all() for t in again.tensors)
-    assert other.tensors[0].data_ptr() not in {t.data_ptr() for t in tensors}
-    assert pool.taken == 3 and pool.reused == 1
+    assert other.tensors[0].data_ptr() not in {t.data_ptr() for t in four}
+    assert cache((0,)).tensors[0].data_ptr() == one[0].data_ptr()
+    assert pool.taken == 5 and pool.reused == 2
     other.release()
-    again.release()                         # max_sets=1: the earlier set is dropped
-    assert cache().tensors[0].data_ptr() == tensors[0].data_ptr()
-    assert pool.taken == 4 and pool.reused == 2
+    again.release()      # 4 + 4 rows' bytes: more than 1.5 times one set's, the older goes
+    assert cache((0, 0, 0, 0)).tensors[0].data_ptr() == four[0].data_ptr()
+    assert cache((0, 0, 0, 0)).tensors[0].data_ptr() not in {t.data_ptr() for t in four}
+    assert pool.taken == 7 and pool.reused == 3
 
 
 def test_calibration_chooses_the_draft_plan_by_acceptance_and_cost(calibrated_tiny, tmp_path):
