@@ -16,6 +16,7 @@ tracked per row).
 """
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -440,9 +441,11 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
     # lookup, `draft_tokens` light-path forwards for self-drafting
     first_loss = {"self": draft_tokens * draft_cost}
     policy = AutoPolicy(["off", *drafters], first_loss) if speculate == "auto" else FixedPolicy(speculate)
-    return Scheduler(runner, prompt_ids.to(shape.device), prompts, sampling=sampling,
-                     generator=generator, criteria=StopCriteria(max_new_tokens, eos_token_ids, stop or [], decode),
-                     drafters=drafters, policy=policy, draft_tokens=draft_tokens)
+    scheduler = Scheduler(runner, prompt_ids.to(shape.device), prompts, sampling=sampling,
+                          generator=generator, criteria=StopCriteria(max_new_tokens, eos_token_ids, stop or [], decode),
+                          drafters=drafters, policy=policy, draft_tokens=draft_tokens)
+    weakref.finalize(scheduler, cache.release)  # a stream dropped before its first token too
+    return scheduler
 
 
 def generate(step: Callable, input_ids, attention_mask=None, **options) -> GenerationResult:

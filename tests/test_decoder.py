@@ -222,6 +222,24 @@ def test_finished_rows_move_the_batch_to_smaller_buckets_under_cuda_graphs(compi
         compiled.hf_config["eos_token_id"] = own_eos
 
 
+def test_a_stream_dropped_before_its_first_token_gives_its_cache_back(compiled_tiny):
+    """The server makes a stream in one job and iterates it in later ones: a client gone
+    before its first token drops a stream never started, and its pooled K/V set goes back."""
+    from test_cuda_graphs import FakeCapture
+
+    compiled = compiled_tiny["llama"][0]
+    compiled.use_cuda_graphs(capture=FakeCapture())
+    try:
+        pool = compiled.decoder.cache_pool
+        compiled.generate(PROMPTS, max_new_tokens=2)
+        events = compiled.generate(PROMPTS, max_new_tokens=2, stream=True)  # takes that set
+        del events
+        compiled.generate(PROMPTS, max_new_tokens=2)
+        assert pool.taken == 3 and pool.reused == 2
+    finally:
+        compiled.use_cuda_graphs(False)
+
+
 def _ended(tokens: list[int], eos: list[int]) -> int:
     """How many tokens a row keeps when it ends at the first of `eos`."""
     return next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))
