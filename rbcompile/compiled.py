@@ -64,6 +64,8 @@ class CompiledModel:
         self.hf_config = hf_config
         self.regions = ir["regions"]
         self.output_names = [name for name, _ in ir["outputs"]]
+        # outputs with a sequence axis (cut back after padding); artifacts before it: rank 3
+        self.sequence_outputs: list[str] | None = ir.get("sequence_outputs")
         arch = manifest["architecture"]
         self.family = arch["family"]
         self.task_head = arch.get("head")  # heads.py; None: an encoder's hidden states
@@ -98,7 +100,8 @@ class CompiledModel:
                 moved.update({key: tensor.to(device) for key, tensor in weights(module).items()
                               if key not in moved})
                 attach_weights(module, moved)
-            self.module.region_cache.clear()
+            for module in modules:
+                module.region_cache.clear()
             if self.cuda_graphs is not None:
                 self.cuda_graphs.clear()
             if self.decoder is not None:
@@ -143,9 +146,10 @@ class CompiledModel:
         ids[:batch, :seq], mask[:batch, :seq] = input_ids, attention_mask
         mask[batch:] = 1  # filler rows attend to something: no all-masked softmax
         outputs = self.cuda_graphs(plan_key(gates, widths), ids, mask, gates, widths)
-        return [out[:batch, :seq] if out.dim() >= 2 and out.shape[:2] == (padded_batch, padded_seq)
-                else out[:batch] if out.dim() >= 1 and out.shape[0] == padded_batch else out
-                for out in outputs]
+        per_token = (self.sequence_outputs if self.sequence_outputs is not None
+                     else [name for name, out in zip(self.output_names, outputs) if out.dim() >= 3])
+        return [out[:batch, :seq] if name in per_token else out[:batch]
+                for name, out in zip(self.output_names, outputs)]
 
     # ---- running --------------------------------------------------------------------------
 

@@ -8,8 +8,10 @@ artifact runtime (`CompiledModel.use_cuda_graphs`) and the torch.compile backend
 - lazily captured: a key is captured the `capture_after`-th time it is seen (earlier calls run
   eagerly, so a shape seen once, such as a growing dynamic KV cache, never costs a capture);
 - bounded: at most `max_graphs` graphs, least recently used evicted first;
-- memory-aware: when the device has less than `min_free_fraction` of its memory free, or a
-  capture fails for memory, the call runs eagerly and the key is not captured;
+- memory-aware: when the inputs' device has less than `min_free_fraction` of its memory
+  free, or a capture fails for memory, the call runs eagerly and the key is not captured;
+- thread-safe: a call holds the cache from its lookup through its replay and copy-out (the
+  graph's input buffers are shared), and a capture runs on the device of its inputs;
 - keyed by everything a replay cannot change: the caller's key (the plan), each tensor input's
   shape and dtype, and the values of the other inputs (a captured graph holds the Python ints,
   floats and lists it was captured with: dynamo passes a changing int as one);
@@ -25,6 +27,7 @@ The capture itself is a function `(run, static_inputs) -> (replay, static_output
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -37,22 +40,34 @@ logger = logging.getLogger("rbcompile.cuda_graphs")
 _MAX_SEEN = 4096
 
 
+def cuda_device(inputs) -> torch.device:
+    """The CUDA device of the first CUDA tensor among `inputs` (a RuntimeError if none: what
+    runs on another device cannot be captured)."""
+    device = next((v.device for v in inputs if isinstance(v, torch.Tensor) and v.is_cuda), None)
+    if device is None:
+        raise RuntimeError("no CUDA tensor among the inputs")
+    return device
+
+
 def cuda_capture(run: Callable, static_inputs: list, pool=None):
-    """Warm `run` up on a side stream, capture it into a CUDA graph, return (replay, outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # lazy inits, autotuning and allocator growth happen outside capture
-            run(*static_inputs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = run(*static_inputs)
+    """Warm `run` up on a side stream, capture it into a CUDA graph on the inputs' device,
+    return (replay, outputs)."""
+    with torch.cuda.device(cuda_device(static_inputs)):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # lazy inits, autotuning, allocator growth: outside the capture
+                run(*static_inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = run(*static_inputs)
     return graph.replay, outputs
 
 
-def cuda_free_fraction() -> float:
-    free, total = torch.cuda.mem_get_info()
+def cuda_free_fraction(inputs) -> float:
+    """The share of memory free on the CUDA device of `inputs`."""
+    free, total = torch.cuda.mem_get_info(cuda_device(inputs))
     return free / total
 
 
@@ -103,7 +118,7 @@ class GraphCache:
     def __init__(self, run: Callable, *, max_graphs: int = 16, capture_after: int = 1,
                  min_free_fraction: float = 0.05, in_place: Callable = is_static_address,
                  capture: Callable | None = None,
-                 free_fraction: Callable[[], float] | None = None):
+                 free_fraction: Callable[[list], float] | None = None):
         if max_graphs < 1 or capture_after < 1:
             raise ValueError("max_graphs and capture_after must be >= 1")
         self.run = run
@@ -114,16 +129,19 @@ class GraphCache:
         self._pool = None
         # a custom capture (a fake one on CPU) has no device memory to watch unless told
         self._free_fraction = free_fraction or (cuda_free_fraction if capture is None
-                                                else lambda: 1.0)
+                                                else lambda inputs: 1.0)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: dict[tuple, int] = {}      # keys not captured yet: times seen
         self._uncapturable: set[tuple] = set()
+        self._lock = threading.Lock()
         self.stats = GraphStats()
 
     def _cuda_capture(self, run: Callable, static_inputs: list):
-        if self._pool is None:  # the graphs share one memory pool: they never run together
-            self._pool = torch.cuda.graph_pool_handle()
-        return cuda_capture(run, static_inputs, self._pool)
+        device = cuda_device(static_inputs)
+        if self._pool is None or self._pool[0] != device:  # graphs on a device share a pool:
+            with torch.cuda.device(device):                # they never run together
+                self._pool = device, torch.cuda.graph_pool_handle()
+        return cuda_capture(run, static_inputs, self._pool[1])
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -139,34 +157,32 @@ class GraphCache:
         key = (key, tuple((tuple(v.shape), v.dtype) for v in tensors),
                tuple(v.data_ptr() for v in tensors if self.in_place(v)),
                tuple(_frozen(v) for v in inputs if not isinstance(v, torch.Tensor)))
-        graph = self._graphs.get(key)
-        if graph is None and key not in self._uncapturable:
-            if len(self._seen) >= _MAX_SEEN:  # shapes that never repeat: forget them
-                self._seen.clear()
-            self._seen[key] = self._seen.get(key, 0) + 1
-            if self._seen[key] >= self.capture_after:
-                graph = self._try_capture(key, inputs)
-        if graph is None:
+        with self._lock:
+            graph = self._graphs.get(key)
+            if graph is None and key not in self._uncapturable:
+                if len(self._seen) >= _MAX_SEEN:  # shapes that never repeat: forget them
+                    self._seen.clear()
+                self._seen[key] = self._seen.get(key, 0) + 1
+                if self._seen[key] >= self.capture_after:
+                    graph = self._try_capture(key, inputs)
+            if graph is not None:
+                self._graphs.move_to_end(key)
+                for static, copied, value in zip(graph.inputs, graph.copied, inputs):
+                    if copied:
+                        static.copy_(value)
+                graph.replay()
+                self.stats.replays += 1
+                return _clone_outputs(graph.outputs)
             self.stats.eager_calls += 1
-            return self.run(*inputs)
-        self._graphs.move_to_end(key)
-        for static, copied, value in zip(graph.inputs, graph.copied, inputs):
-            if copied:
-                static.copy_(value)
-        graph.replay()
-        self.stats.replays += 1
-        return _clone_outputs(graph.outputs)
+        return self.run(*inputs)
 
     def _try_capture(self, key: tuple, inputs) -> _Graph | None:
-        if self._free_fraction() < self.min_free_fraction:
-            self.stats.memory_fallbacks += 1
-            return None
-        while len(self._graphs) >= self.max_graphs:
-            self._graphs.popitem(last=False)
-            self.stats.evictions += 1
         copied = [isinstance(v, torch.Tensor) and not self.in_place(v) for v in inputs]
-        static = [v.clone() if copy else v for v, copy in zip(inputs, copied)]
         try:
+            if self._free_fraction(inputs) < self.min_free_fraction:
+                self.stats.memory_fallbacks += 1
+                return None
+            static = [v.clone() if copy else v for v, copy in zip(inputs, copied)]
             replay, outputs = self._capture(self.run, static)
         except torch.OutOfMemoryError:
             self.stats.memory_fallbacks += 1
@@ -178,12 +194,16 @@ class GraphCache:
             self._seen.pop(key, None)
             self.stats.capture_failures += 1
             return None
+        while len(self._graphs) >= self.max_graphs:  # evicted once the new one is captured
+            self._graphs.popitem(last=False)
+            self.stats.evictions += 1
         graph = self._graphs[key] = _Graph(replay, static, copied, outputs)
         del self._seen[key]
         self.stats.captures += 1
         return graph
 
     def clear(self) -> None:
-        self._graphs.clear()
-        self._seen.clear()
-        self._uncapturable.clear()
+        with self._lock:
+            self._graphs.clear()
+            self._seen.clear()
+            self._uncapturable.clear()

@@ -130,7 +130,21 @@ def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names) ->
         raise CompileError(f"graph has {len(outputs)} outputs for names {output_names}")
     return {"version": IR_VERSION, "inputs": list(input_names),
             "outputs": [[name, node.name] for name, node in zip(output_names, outputs)],
+            "sequence_outputs": _sequence_outputs(gm, output_names, outputs),
             "parameters": params, "nodes": nodes, "regions": regions}
+
+
+def _sequence_outputs(gm: GraphModule, output_names, outputs) -> list[str]:
+    """The outputs whose axis 1 is the first 2-D input's (the sequence: `last_hidden_state`, a
+    causal LM's `logits`), not a pooled output's (`pooler_output`, a classifier's `logits`)."""
+    def shape(node):
+        value = node.meta.get("val") if isinstance(node, Node) else None
+        return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+
+    sequence = next((shape(n)[1] for n in gm.graph.nodes
+                     if n.op == "placeholder" and len(shape(n)) == 2), None)
+    return [name for name, node in zip(output_names, outputs)
+            if sequence is not None and len(shape(node)) >= 2 and str(shape(node)[1]) == str(sequence)]
 
 
 def _check_name(name) -> str:
@@ -270,6 +284,8 @@ def check_ir(ir: dict) -> None:
         for _, name in ir["outputs"]:
             if name not in defined:
                 raise UserError(f"corrupt artifact graph: unknown output {name!r}")
+        if not set(ir.get("sequence_outputs", [])) <= {name for name, _ in ir["outputs"]}:
+            raise UserError("corrupt artifact graph: unknown sequence output")
         _check_seams(ir)
         params = set(ir["parameters"])
         for variant in ir.get("variants", []):

@@ -10,7 +10,7 @@ import torch
 def _key_part(value):
     if isinstance(value, torch.Tensor):
         data = value.detach().contiguous().cpu().numpy().tobytes()
-        return (tuple(value.shape), str(value.dtype), value.device.type,
+        return (tuple(value.shape), str(value.dtype), str(value.device),
                 hashlib.blake2b(data, digest_size=16).digest())
     return int(value)
 

@@ -82,13 +82,65 @@ def test_bound_evicts_least_recently_used():
 def test_memory_short_runs_eagerly():
     free = [0.5]
     cache = GraphCache(lambda x: x + 1, capture=FakeCapture(), min_free_fraction=0.1,
-                       free_fraction=lambda: free[0])
+                       free_fraction=lambda inputs: free[0])
     free[0] = 0.01
     assert torch.equal(cache("k", torch.zeros(2)), torch.ones(2))
     assert cache.stats.memory_fallbacks == 1 and len(cache) == 0
     free[0] = 0.5
     cache("k", torch.zeros(2))
     assert len(cache) == 1
+
+
+def test_a_failed_capture_evicts_nothing():
+    outcomes = iter([None, RuntimeError("operation not permitted when stream is capturing")])
+
+    def capture(run, inputs):
+        failure = next(outcomes)
+        if failure:
+            raise failure
+        return FakeCapture()(run, inputs)
+
+    cache = GraphCache(lambda x: x + 1, capture=capture, max_graphs=1)
+    cache("kept", torch.zeros(1))
+    assert torch.equal(cache("fails", torch.zeros(1)), torch.ones(1))
+    assert [key[0] for key in cache.keys()] == ["kept"] and cache.stats.evictions == 0
+
+
+def test_inputs_off_cuda_run_eagerly_under_the_real_capture():
+    """The CUDA capture runs on its inputs' device; with none on CUDA (a model moved off it)
+    the key runs eagerly, with the right values, instead of capturing an empty graph."""
+    cache = GraphCache(lambda x: x * 2)
+    for _ in range(2):
+        assert torch.equal(cache("k", torch.ones(2)), torch.full((2,), 2.0))
+    assert cache.stats.capture_failures == 1 and len(cache) == 0
+
+
+def test_calls_from_two_threads_get_their_own_outputs():
+    """A graph's input buffers are shared: a call holds the cache from its copy-in to its
+    copy-out, so a call on another thread never replays with its inputs."""
+    import threading
+
+    compiled = rbcompile.compile(make_tiny_model("bert"))
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(3, TINY_VOCAB, (2, 40), generator=generator) for _ in range(2)]
+    expected = [compiled(ids)["last_hidden_state"] for ids in inputs]
+    compiled.use_cuda_graphs(capture=FakeCapture())
+    wrong = [0, 0]
+
+    def calls(index):
+        for _ in range(60):
+            try:
+                got = compiled(inputs[index])["last_hidden_state"]
+            except Exception:  # the cache's own state torn by the other thread
+                got = torch.full_like(expected[index], float("nan"))
+            wrong[index] += not (got - expected[index]).abs().max().item() <= 1e-5
+
+    threads = [threading.Thread(target=calls, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == [0, 0] and compiled.cuda_graphs.stats.replays >= 119
 
 
 def test_uncapturable_key_runs_eagerly_from_then_on():
@@ -140,6 +192,20 @@ def test_artifact_pads_to_buckets_and_cuts_back():
     assert len(compiled.cuda_graphs) == 3
     compiled.use_cuda_graphs(False)
     assert compiled.cuda_graphs is None and compiled.module.region_cache.enabled
+
+
+def test_pooled_outputs_are_cut_back_by_batch_only():
+    """The artifact knows which outputs have a sequence axis (the IR's `sequence_outputs`), so
+    a pooled output as wide as the padded length is not cut back as if it were per token."""
+    model = make_tiny_model("bert")                                  # hidden size 32
+    compiled = rbcompile.compile(model)
+    assert compiled.ir["sequence_outputs"] == ["last_hidden_state"]
+    compiled.use_cuda_graphs(capture=FakeCapture(), batch_buckets=(4,), seq_multiple=32)
+    ids = torch.randint(3, TINY_VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
+    got, expected = compiled(ids), model(input_ids=ids)
+    for name in ("last_hidden_state", "pooler_output"):
+        assert got[name].shape == expected[name].shape
+        assert (got[name] - expected[name]).abs().max().item() <= 1e-5
 
 
 def test_plan_graphs_are_captured_per_plan(compiled_tiny):
