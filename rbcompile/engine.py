@@ -120,8 +120,9 @@ class BatchEngine:
     are prefilled in chunks of it (None: never). `draft_tokens`: most drafts per speculating
     row and step; `verify_tokens`: most tokens (rows x (1 + drafts)) a speculative step runs.
     `batch_buckets`: a decode step runs the next power of two of rows (at most `max_batch`),
-    the rows past the running ones idle, so that CUDA graphs of the step are one per bucket
-    rather than one per count of running rows."""
+    the rows past the running ones idle, and the cache grows to powers of two of blocks, so
+    that CUDA graphs of the step are one per bucket and doubling rather than one per count of
+    running rows and block."""
 
     def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
                  eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
@@ -144,7 +145,7 @@ class BatchEngine:
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
-        self.cache = BatchKVCache(shape, max_batch, block)
+        self.cache = BatchKVCache(shape, max_batch, block, power_of_two=batch_buckets)
         self.waiting: list[tuple[int, int, EngineRequest]] = []   # a heap: priority, arrival
         self.arrivals = itertools.count()
         self.running: list[EngineRequest] = []        # running[i] decodes in cache row i
@@ -494,6 +495,7 @@ class BatchEngine:
         failed, self.running = self.running, []
         if self.chunked is not None:
             failed, self.chunked = failed + self.chunked.group, None
-        self.cache = BatchKVCache(self.shape, self.max_batch, self.cache.block)
+        self.cache = BatchKVCache(self.shape, self.max_batch, self.cache.block,
+                                  power_of_two=self.batch_buckets)
         for request in failed:
             self._finish(request, "error", exc)

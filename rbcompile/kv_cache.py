@@ -251,10 +251,12 @@ class BatchKVCache:
     rejected become holes, masked for good, and its positions skip them (`advance_rows`). The
     slot axis grows in `block`s when full, after first trying to compact it: moving every row's
     slots left by the smallest pad changes no attention score (positions travel with the keys,
-    masks with the pads and holes)."""
+    masks with the pads and holes). With `power_of_two` (CUDA graphs, keyed by the capacity and
+    holding the tensors they read) it grows to the next power of two of blocks: a step's graphs
+    are one per doubling, and the tensors earlier graphs hold total less than the current."""
 
-    def __init__(self, shape: DecoderShape, rows: int, block: int = 64):
-        self.shape, self.rows, self.block = shape, rows, block
+    def __init__(self, shape: DecoderShape, rows: int, block: int = 64, power_of_two: bool = False):
+        self.shape, self.rows, self.block, self.power_of_two = shape, rows, block, power_of_two
         self.tensors = self._allocate(block)
         self.pads = torch.zeros(rows, dtype=torch.long, device=shape.device)
         self.holes = torch.zeros(rows, block, dtype=torch.bool, device=shape.device)
@@ -374,10 +376,11 @@ class BatchKVCache:
         self.holes[:, self.length:] = False    # slots past the length are written afresh
 
     def _grow(self, slots: int) -> None:
-        """At least `slots` slots, in whole blocks."""
+        """At least `slots` slots, in whole blocks (a power of two of them with `power_of_two`)."""
         if slots <= self.capacity:
             return
-        grown = self._allocate(-(-slots // self.block) * self.block)
+        blocks = -(-slots // self.block)
+        grown = self._allocate(self.block * (power_of_two_at_least(blocks) if self.power_of_two else blocks))
         for new, old in zip(grown, self.tensors):
             new[:, :, :self.capacity].copy_(old)
         holes = self.holes.new_zeros(self.rows, grown[0].shape[2])

@@ -7,7 +7,7 @@ import torch
 
 from rbcompile.engine import EngineRequest
 from rbcompile.errors import UserError
-from rbcompile.kv_cache import BatchKVCache, DecoderShape
+from rbcompile.kv_cache import BatchKVCache, DecoderShape, power_of_two_at_least
 from rbcompile.sampling import SamplingConfig
 
 PROMPTS = [[21, 22, 23, 21, 22], [31, 32], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [40, 41, 42]]
@@ -227,15 +227,19 @@ def test_bad_requests_are_refused_before_they_are_queued(compiled_tiny, prompt, 
     assert not engine.queued
 
 
-def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth():
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["blocks", "power-of-two"])
+def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(power_of_two):
     """Each row's slots hold (row id, position) pairs, rejected drafts (99, 99); after every
     operation each active row's unmasked slots before `length` hold its own pairs, positions
-    0, 1, 2, ... from its pad on, and `positions` gives its next one."""
+    0, 1, 2, ... from its pad on, and `positions` gives its next one. With `power_of_two` (CUDA
+    graphs) the capacity is always a power of two of blocks."""
     shape = DecoderShape(layers=1, kv_heads=1, head_dim=2, max_positions=512)
-    cache = BatchKVCache(shape, rows=3, block=4)
+    cache = BatchKVCache(shape, rows=3, block=4, power_of_two=power_of_two)
     owners = []   # owner id per cache row
+    capacities = {cache.capacity}
 
     def check():
+        capacities.add(cache.capacity)
         mask = cache.attention_mask(slice(0, cache.active))
         for row, owner in enumerate(owners):
             visible = [slot for slot in range(cache.length) if mask[row, slot]]
@@ -288,6 +292,9 @@ def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(
     # a prompt that shifts the rows right to a block boundary: the slot `place` reserves after
     # it must not compact them back (that left the newcomer a negative pad)
     join(4, (cache.length // cache.block + 2) * cache.block)
+    blocks = sorted(capacity // cache.block for capacity in capacities)
+    assert all(capacity % cache.block == 0 for capacity in capacities) and len(blocks) > 2
+    assert all(power_of_two_at_least(n) == n for n in blocks) == power_of_two, blocks
 
 
 def test_decode_steps_run_batch_buckets_under_cuda_graphs(compiled_tiny):
