@@ -128,7 +128,9 @@ def reset() -> None:
 
 _TAKEN = RESERVED_NAMES | {"widths"}  # the generated forward's own names
 _WEIGHT = re.compile(r"_(parameters|buffers)_")
-_ATTRIBUTE = re.compile(r"_modules_|^l_self_")  # a module attribute dynamo passes as an input
+# a module attribute, or a float of an imported module (`math.pi` in GPT-2's tanh GELU), that
+# dynamo passes as an input
+_ATTRIBUTE = re.compile(r"_modules_|^l_self_|^g_import_", re.IGNORECASE)
 _PREFIX = re.compile(r"^l_(self_|args_0_|kwargs_)?")
 
 
@@ -166,8 +168,9 @@ def _hint(value):
 
 def _is_constant(name: str, value) -> bool:
     """Weights (dynamo names with `_parameters_` / `_buffers_`), and the float attributes of
-    modules (an RMSNorm's eps, rotary scaling) that dynamo passes as 0-dim tensors under
-    `dynamic=True`: fixed for a model, so the graph holds them as constants like the weights."""
+    modules (an RMSNorm's eps, rotary scaling) or of imported modules (`math.pi`) that dynamo
+    passes as 0-dim tensors under `dynamic=True`: fixed for a model, so the graph holds them as
+    constants like the weights."""
     if not isinstance(value, torch.Tensor):
         return False
     return bool(_WEIGHT.search(name)) or (value.dim() == 0 and bool(_ATTRIBUTE.search(name)))

@@ -37,6 +37,33 @@ def test_half_artifact_matches_eager_in_its_dtype(arch, dtype, tmp_path):
     assert torch.equal(loaded(ids, mask)[compiled.output_names[0]], got)
 
 
+def test_an_encoder_calibrates_with_a_task_head_in_bf16(tiny_checkpoints, tmp_path):
+    """A task head read in fp32 scores a bf16 encoder's pooled stream in fp32: calibration
+    chooses plans and trains off-ramps (it stopped at a bf16 x fp32 matmul), and the loaded
+    artifact classifies with early exit."""
+    from safetensors.torch import save_file
+
+    from conftest import labelled_words
+    from rbcompile.runtime.early_exit import run_with_exits
+
+    save_file({"weight": torch.randn(2, 32), "bias": torch.zeros(2)}, str(tmp_path / "head.st"))
+    labelled_words(tmp_path / "labelled.jsonl")
+    compiled = rbcompile.compile(tiny_checkpoints["bert"], calib=tmp_path / "labelled.jsonl",
+                                 calib_samples=40, calib_seq=16, calib_head=tmp_path / "head.st",
+                                 dtype="bf16")
+    assert compiled.dtype == torch.bfloat16 and compiled.plans and compiled.offramps is not None
+    loaded = rbcompile.load(compiled.save(tmp_path / "art"))
+    result = run_with_exits(loaded, loaded.offramps, *_inputs())
+    assert result.logits.dtype == torch.float32 and torch.isfinite(result.logits).all()
+
+
+def test_devices_that_do_not_exist_here_are_refused():
+    for device in ("cpu:1", "gpu0", "meta"):
+        with pytest.raises(UserError, match="device"):
+            parse_device(device)
+    assert parse_device("cpu:0") == torch.device("cpu:0")
+
+
 def test_dtype_rule_and_names(tmp_path):
     compiled = rbcompile.compile(make_tiny_model("llama"))
     assert compiled.dtype == torch.float32
@@ -83,11 +110,14 @@ def fresh_dynamo():
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_backend_kv_cache_graphs_in_half_and_dynamic_are_compiled(fresh_dynamo, dtype, dynamic):
-    """Dynamo passes an RMSNorm's eps and the rotary scaling as 0-dim inputs under
-    dynamic=True; aot_autograd's decompositions of them carry no module path. Both are handled:
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_backend_kv_cache_graphs_in_half_and_dynamic_are_compiled(fresh_dynamo, arch, dtype,
+                                                                   dynamic):
+    """Dynamo passes an RMSNorm's eps and the rotary scaling (Llama), and `math.pi` in the
+    tanh GELU (GPT-2: a constant chain shared by every layer's MLP) as 0-dim inputs under
+    dynamic=True; aot_autograd's decompositions of them carry no module path. All are handled:
     the graphs go to rbcompile (strict: no fallback) and generate() gives eager's tokens."""
-    model = make_tiny_model("llama").to(dtype)
+    model = make_tiny_model(arch).to(dtype)
     ids, mask = _inputs(2, 7)
     settings = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=True)
     expected = model.generate(ids, **settings)
@@ -98,5 +128,5 @@ def test_backend_kv_cache_graphs_in_half_and_dynamic_are_compiled(fresh_dynamo, 
     graphs = backend.compiled_graphs()
     assert graphs and all(g.handled_by == "rbcompile" and g.num_gates > 0 for g in graphs)
     summaries = [h["summary"] for g in graphs for h in g.passes if h["pass"] == "canonicalize"]
-    if dynamic:
+    if dynamic and arch == "llama":
         assert any("module paths inherited" in s for s in summaries)
