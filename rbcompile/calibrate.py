@@ -247,7 +247,7 @@ def _width_loss(family: str, model, ids, mask, generator, labels=None, head=None
     if head is not None and labels is not None:
         return F.cross_entropy(quality.head_logits(head, hidden, mask), labels)
     pooled = quality.mean_pool(hidden, mask)
-    directions = torch.randn(pooled.shape, generator=generator)
+    directions = torch.randn(pooled.shape, generator=generator).to(pooled.device)
     return (pooled * directions).sum()
 
 

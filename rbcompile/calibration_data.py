@@ -66,6 +66,16 @@ class Batches:
     calibration_labels: list[torch.Tensor] | None = None  # per batch, for a task loss
     heldout_labels: list[torch.Tensor] | None = None
 
+    def to(self, device) -> "Batches":
+        """The same batches and labels on `device` (the model's)."""
+        def pairs(batches):
+            return [(ids.to(device), mask.to(device)) for ids, mask in batches]
+
+        def labels(per_batch):
+            return None if per_batch is None else [tensor.to(device) for tensor in per_batch]
+        return Batches(pairs(self.calibration), pairs(self.heldout),
+                       labels(self.calibration_labels), labels(self.heldout_labels))
+
 
 def _batched(ids: torch.Tensor, mask: torch.Tensor, batch_size: int):
     return [(ids[i:i + batch_size], mask[i:i + batch_size]) for i in range(0, len(ids), batch_size)]

@@ -102,6 +102,8 @@ class CompiledModel:
                 attach_weights(module, moved)
             for module in modules:
                 module.region_cache.clear()
+            if self.offramps is not None:
+                self.offramps = self.offramps.to(device)
             if self.cuda_graphs is not None:
                 self.cuda_graphs.clear()
             if self.decoder is not None:
@@ -436,7 +438,7 @@ def load(path, device=None, dtype=None) -> CompiledModel:
     compiled = CompiledModel(module, ir, source, manifest, tokenizer_dir=tokenizer_dir,
                              hf_config=hf_config, decoder=decoder)
     if "offramps" in manifest:
-        compiled.offramps = _load_offramps(path, manifest["offramps"])
+        compiled.offramps = _load_offramps(path, manifest["offramps"]).to(device)
     return compiled
 
 

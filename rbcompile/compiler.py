@@ -123,11 +123,12 @@ class Calibration:
 def prepare_calibration(tokenizer, family: str, max_positions: int, source, samples=None,
                         seq=None, width_levels=DEFAULT_LEVELS, width_floor: float = 0.5,
                         head_path=None, task_head: str | None = None,
-                        budgets=None) -> Calibration:
+                        budgets=None, device="cpu") -> Calibration:
     """Check the calibration options and make the batches, before any tracing. A classifier
     (`task_head`) calibrates on its own logits: labelled JSONL gives a sequence classifier's
     cross-entropy, other data the KL divergence to the full path. `budgets`: the plans' budget
-    grid (default calibrate.BUDGET_GRID); a shorter grid searches and verifies fewer plans."""
+    grid (default calibrate.BUDGET_GRID); a shorter grid searches and verifies fewer plans.
+    The batches, labels and head are put on `device` (the model's)."""
     from .calibration_data import load_labelled, make_batches
     from .quality import load_head
 
@@ -145,14 +146,14 @@ def prepare_calibration(tokenizer, family: str, max_positions: int, source, samp
         raise UserError(f"this model has its own {task_head} head: --calib-head is for "
                         "headless encoders")
     texts, labels = load_labelled(source)
-    head = load_head(head_path) if head_path else None
+    head = tuple(t.to(device) for t in load_head(head_path)) if head_path else None
     if head is not None and (family != ENCODER or labels is None):
         raise UserError("--calib-head needs an encoder and JSONL calibration data with an "
                         "integer \"label\" on every line")
     use_labels = labels is not None and (head is not None or task_head == "sequence-classification")
     batches = make_batches(tokenizer, texts, family, seq_len=seq, samples=samples,
                            batch_size=defaults["batch"],
-                           labels=labels if use_labels else None)
+                           labels=labels if use_labels else None).to(device)
     say(f"calibrating on {source}: {sum(len(b[0]) for b in batches.calibration)} samples x <= "
         f"{seq} tokens, {sum(len(b[0]) for b in batches.heldout)} held out")
     return Calibration(str(source), family, samples, seq, batches, head,
@@ -293,7 +294,7 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                                           dims.max_positions, calib, calib_samples, calib_seq,
                                           width_levels, width_floor, calib_head,
                                           module_head(model, architecture.family),
-                                          calib_budgets)
+                                          calib_budgets, model_device)
     with step(f"tracing {arch['class']} with torch.export (dynamic batch and sequence)"):
         traced = trace(model, architecture)
     arch["max_positions"] = traced.max_positions

@@ -68,7 +68,9 @@ class Decoder:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(iter(self.module.buffers())).dtype
+        """The weights' dtype (the largest buffer's: a bf16 Llama keeps its rotary
+        frequencies in fp32)."""
+        return max(self.module.buffers(), key=torch.Tensor.numel).dtype
 
     @property
     def shape(self) -> DecoderShape:

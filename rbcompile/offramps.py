@@ -31,6 +31,13 @@ class OffRamps:
             out[f"ramp{layer}.weight"], out[f"ramp{layer}.bias"] = weight, bias
         return {k: v.detach().contiguous() for k, v in out.items()}
 
+    def to(self, device) -> "OffRamps":
+        """The ramps and the head on `device` (the model's)."""
+        def moved(pair):
+            return tuple(tensor.to(device) for tensor in pair)
+        return OffRamps(self.layers, {layer: moved(ramp) for layer, ramp in self.ramps.items()},
+                        moved(self.head), self.threshold)
+
     @classmethod
     def from_tensors(cls, tensors: dict, layers: list[int], threshold: float) -> "OffRamps":
         ramps = {layer: (tensors[f"ramp{layer}.weight"], tensors[f"ramp{layer}.bias"])
@@ -69,8 +76,8 @@ def train_offramps(compiled, calibration, heldout, head, *, layers=None, steps: 
     target = teacher.softmax(-1)
     ramps = {}
     for layer in layers:
-        weight = head[0].clone().requires_grad_(True)
-        bias = head[1].clone().requires_grad_(True)
+        weight = head[0].to(features[layer]).clone().requires_grad_(True)
+        bias = head[1].to(features[layer]).clone().requires_grad_(True)
         optimiser = torch.optim.Adam([weight, bias], lr=0.01)
         with torch.enable_grad():
             for _ in range(steps):

@@ -49,7 +49,7 @@ def parse_device(value) -> torch.device | None:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UserError(f"device {value!r} does not exist ({torch.cuda.device_count()} CUDA "
                         "devices)")
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
         raise UserError(f"unsupported device {value!r}; use cpu or cuda[:N]")
     return device
 

@@ -15,7 +15,10 @@ import torch.nn.functional as F
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    """The L2-normalised mean of `hidden` [B, T, H] over the unmasked positions, in fp32
+    whatever the model's dtype."""
+    hidden = hidden.float()
+    weights = mask.unsqueeze(-1).to(hidden)
     return F.normalize((hidden * weights).sum(1) / weights.sum(1).clamp(min=1), dim=-1)
 
 
@@ -41,8 +44,11 @@ def load_head(path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def head_logits(head, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    weight, bias = head
-    return mean_pool(hidden, mask) @ weight.T + bias
+    """A linear head (weight, bias) over the mean-pooled stream, in fp32 (a head read in fp32
+    serves a bf16 / fp16 model)."""
+    pooled = mean_pool(hidden, mask)
+    weight, bias = (tensor.to(pooled) for tensor in head)
+    return pooled @ weight.T + bias
 
 
 def measure(family: str, outputs: dict, input_ids: torch.Tensor, mask: torch.Tensor,

@@ -52,8 +52,10 @@ class StagedRunner:
     # ---- running ----------------------------------------------------------------------------
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Stage:
-        env = dict(zip(self.input_names, (input_ids, attention_mask)))
-        return Stage(env, rows=torch.arange(input_ids.shape[0]))
+        """A stage before the first region, its inputs on the module's device."""
+        device = self.module.device
+        env = dict(zip(self.input_names, (input_ids.to(device), attention_mask.to(device))))
+        return Stage(env, rows=torch.arange(input_ids.shape[0], device=device))
 
     def advance(self, stage: Stage, gates, widths=None, until_layer: int | None = None) -> Stage:
         """Run regions up to and including the last one of `until_layer` (None: to the end)."""

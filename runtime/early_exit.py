@@ -55,8 +55,8 @@ def run_with_exits(compiled, offramps: OffRamps, input_ids, attention_mask, gate
     threshold = offramps.threshold if threshold is None else threshold
     gates = gates if gates is not None else [True] * compiled.num_gates
     batch = input_ids.shape[0]
-    logits = torch.empty(batch, offramps.head[0].shape[0])
-    exit_layer = torch.full((batch,), -1, dtype=torch.long)
+    logits = torch.empty(batch, offramps.head[0].shape[0], device=compiled.device)
+    exit_layer = torch.full((batch,), -1, dtype=torch.long, device=compiled.device)
     stage, sizes = cascade(runner, runner.start(input_ids, attention_mask), offramps, threshold,
                            gates, widths, logits, exit_layer)
     if stage is not None:
