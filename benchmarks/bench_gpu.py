@@ -21,19 +21,27 @@ graph per plan, rbcompile/plan_graphs.py), `rbc-k-graphs` / `rbc-k-noseams-graph
 Triton kernels, with and without seams: the residual add fused into the next region's norm), and
 for decoding `rbc-backend` (torch.compile(backend="rbcompile", options={"cuda_graphs": True})),
 `rbc-backend-plan` (the same with `regions="plan"`) and `rbc-generate-plan` (`rbc-generate`
-through plan graphs). Times are medians of CUDA-
-event-timed runs after warm-up; every contender's full path is checked against eager in the same
-dtype (rbcompile/placement.py tolerances). Contenders that would start after `--deadline-s` are
-skipped and listed. `--smoke` runs tiny configs (on CPU too) to test the script itself.
-Writes OUT_DIR/bench_gpu.json after each row (a run killed at its time limit keeps the rows it
-finished) and prints a table.
+through plan graphs). `rbc-backend*` run rbcompile's Triton kernels on CUDA (the backend's
+default there). Times are medians of wall times synchronised around each run, after warm-up;
+the last timed run's output of every contender's full path is checked against eager in the same
+dtype (rbcompile/placement.py tolerances), budgets' against eager's top-1 (and their share of
+skipped FLOPs is recorded); the artifact rows record their CUDA graph counts (captures,
+replays, eager calls, memory fallbacks). Contenders (and cases) that would start after
+`--deadline-s` are skipped and listed. The prefill cases compile the artifact once per kernel
+setting and load a fresh copy per contender. `--smoke` runs tiny configs (on CPU too) to test
+the script itself. Writes OUT_DIR/bench_gpu.json after each row, atomically (a run killed at
+its time limit keeps the rows it finished, and a SIGTERM still prints the table).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import signal
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,11 +54,11 @@ BUDGETS = (0.25, 0.5)
 def configs(smoke: bool) -> dict:
     from transformers import BertConfig, LlamaConfig
 
-    if smoke:
-        bert = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    if smoke:  # 4 layers: enough for the budgets' plans to skip some (2 layers: none)
+        bert = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                           intermediate_size=128, max_position_embeddings=256)
         small = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                             max_position_embeddings=256)
         return {"bert": (bert, torch.float32, 2, 16), "smol-prefill": (small, torch.float32, 2, 32),
                 "smol-decode": (small, torch.float32, 8, 8), "llama1b": (small, torch.float32, 1, 64)}
@@ -69,11 +77,13 @@ def configs(smoke: bool) -> dict:
 
 
 def make_model(config, dtype, device):
+    """Random weights, made on `device` (a 1B model's CPU initialisation takes over a minute)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     torch.manual_seed(0)
     auto = AutoModel if config.model_type == "bert" else AutoModelForCausalLM
-    return auto.from_config(config, dtype=dtype).to(device).eval()
+    with torch.device(device):
+        return auto.from_config(config, dtype=dtype).eval()
 
 
 def sync(device):
@@ -114,10 +124,11 @@ class Case:
         self.rows, self.skipped, self.skip = [], [], set()
         self.save = save  # called after each row: a run killed at its limit keeps what it did
 
-    def contender(self, label, setup, budgets=(None,)):
+    def contender(self, label, setup, budgets=(None,), runs=None):
         """`setup()` -> (run(budget) -> output tensor or None, reference output), and any
-        `notes() -> dict` of fields for the row (plan_failures, graph counts). One row per
-        budget: median ms, and parity with eager (full path) or agreement (budgets)."""
+        `notes(budget) -> dict` of fields for the row (plan_failures, graph counts, skipped
+        share). One row per budget: median ms over `runs` (default the case's), and parity
+        with eager (full path) or agreement (budgets) of the last timed run's output."""
         if label in self.skip or time.monotonic() > self.deadline:
             self.skipped.append(label)
             why = "--skip" if label in self.skip else "deadline"
@@ -127,15 +138,18 @@ class Case:
         start = time.monotonic()
         try:
             run, reference, *notes = setup()
-            first = run(None)
+            run(None)
             sync(self.device)
             compile_s = time.monotonic() - start
             for budget in budgets:
-                out = run(budget) if budget is not None else first
-                ms = time_ms(lambda: run(budget), self.device, self.runs, self.warmup)
-                self.rows.append(self.row(label, budget, ms, compile_s, out, reference))
+                last = []
+
+                def timed(budget=budget):
+                    last[:] = [run(budget)]
+                ms = time_ms(timed, self.device, runs or self.runs, self.warmup)
+                self.rows.append(self.row(label, budget, ms, compile_s, last[0], reference))
                 for note in notes:
-                    self.rows[-1].update(note())
+                    self.rows[-1].update(note(budget))
                 if self.rows[-1].get("plan_failures"):  # those plans ran the interpreter
                     self.rows[-1]["check"] += (f"; {self.rows[-1]['plan_failures']} plan "
                                                "compiles failed")
@@ -147,6 +161,10 @@ class Case:
             print(f"  {self.name}/{label}: FAILED {message}", flush=True)
             self.rows.append({"case": self.name, "contender": label, "error": message[:300]})
             self.save()
+        finally:  # the contender's graphs and pools go before the next one's are captured
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def row(self, label, budget, ms, compile_s, out, reference):
         from rbcompile.placement import within_tolerance
@@ -175,12 +193,25 @@ def plan_failures(compiled) -> dict:
     return {"plan_failures": sum(g.stats.failures for g in graphs)} if graphs else {}
 
 
-def graph_counts(decoder) -> dict:
-    """CUDA graphs the decoder captured and replayed so far (none without graphs)."""
-    if decoder.graphs is None:
+def graph_counts(graphs) -> dict:
+    """What a GraphCache did so far (nothing without CUDA graphs): a row whose calls ran
+    eagerly (no memory, a failed capture) says so."""
+    if graphs is None:
         return {}
-    return {"graph_captures": decoder.graphs.stats.captures,
-            "graph_replays": decoder.graphs.stats.replays}
+    stats = graphs.stats
+    return {"graph_captures": stats.captures, "graph_replays": stats.replays,
+            "graph_eager_calls": stats.eager_calls, "graph_memory_fallbacks": stats.memory_fallbacks,
+            "graph_capture_failures": stats.capture_failures}
+
+
+def artifact_notes(compiled, graphs, skipped):
+    """notes(budget) of an artifact contender: failed plan compiles, graph counts, and
+    `skipped(budget)`, the share of FLOPs the budget's plan skips (0 would mean it ran the full
+    path)."""
+    def notes(budget):
+        return {**plan_failures(compiled), **graph_counts(graphs()),
+                "skipped_share": skipped(budget) if budget else 0.0}
+    return notes
 
 
 def prefill_case(case: Case, model, batch, seq, args):
@@ -206,9 +237,14 @@ def prefill_case(case: Case, model, batch, seq, args):
     if case.device.type == "cuda":
         case.contender("inductor-ro", lambda: hf(torch.compile(model, mode="reduce-overhead"), True))
 
+    saved = {}  # kernels -> artifact folder: tracing the model and its decoder once
+
     def artifact(engine="interp", kernels=False, seams=True):
         def setup():
-            compiled = rbcompile.compile(model, kernels=kernels)
+            if kernels not in saved:
+                saved[kernels] = rbcompile.compile(model, kernels=kernels).save(
+                    Path(args.scratch) / f"{case.name}-kernels{int(kernels)}")
+            compiled = rbcompile.load(saved[kernels], device=case.device)
             compiled.module.fuse_seams = seams
             if engine == "regions":
                 compiled.compile_regions()
@@ -218,7 +254,8 @@ def prefill_case(case: Case, model, batch, seq, args):
                 compiled.use_cuda_graphs()
             name = compiled.output_names[0]
             return ((lambda budget: compiled(ids, mask, budget=budget)[name]), reference,
-                    lambda: plan_failures(compiled))
+                    artifact_notes(compiled, lambda: compiled.cuda_graphs,
+                                   lambda b: compiled.skipped_share(*compiled.plan_for_budget(b))))
         return setup
 
     graphs = "-graphs" if case.device.type == "cuda" else ""
@@ -255,7 +292,6 @@ def decode_case(case: Case, model, prompt, new, args):
             return (lambda budget: generate(budget, hf_compile)), reference
         return setup
 
-    case.contender("eager", patched(forward))
     if case.device.type == "cuda":
         case.contender("inductor-ro", patched(forward, hf_compile=True))
 
@@ -274,15 +310,20 @@ def decode_case(case: Case, model, prompt, new, args):
             def run(budget):
                 result = compiled.generate(ids, max_new_tokens=new, budget=budget)
                 return torch.tensor(result.tokens, device=case.device)
-            return run, reference, lambda: plan_failures(compiled), lambda: graph_counts(compiled.decoder)
+            return run, reference, artifact_notes(  # a decode step skips MLPs only
+                compiled, lambda: compiled.decoder.graphs,
+                lambda b: 1.0 - compiled.decoder.cost(compiled.decoder_gates(b)))
         return setup
 
-    case.contender("rbc-generate", artifact_generate(), (None, *BUDGETS))
-    case.contender("rbc-generate-plan", artifact_generate(plans=True), (None, BUDGETS[0]))
-    options = {"cuda_graphs": case.device.type == "cuda", "regions": "eager"}
+    # the contenders the targets need first; eager (25 tok/s at SmolLM2 size) once, late
+    cuda = case.device.type == "cuda"
+    options = {"cuda_graphs": cuda, "regions": "eager", "kernels": cuda}
     backend.reset()
+    case.contender("rbc-generate", artifact_generate(), (None, *BUDGETS))
     case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile",
                                                         options=options)), (None, *BUDGETS))
+    case.contender("eager", patched(forward), runs=1)
+    case.contender("rbc-generate-plan", artifact_generate(plans=True), (None, BUDGETS[0]))
     case.contender("rbc-backend-plan", patched(torch.compile(
         forward, backend="rbcompile", options={**options, "regions": "plan"})), (None,))
     graphs = backend.compiled_graphs()  # both backend contenders' (0 gates: not adaptive)
@@ -329,30 +370,48 @@ def main(argv=None):
     results = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "cases": {}}
-    def save():
-        (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=1))
+    def save():  # atomically: a kill while writing leaves the previous rows
+        partial = args.out / "bench_gpu.json.partial"
+        partial.write_text(json.dumps(results, indent=1))
+        os.replace(partial, args.out / "bench_gpu.json")
 
-    for name in cases:
-        config, dtype, first, second = table[name]
-        print(f"{name}: {config.model_type} hidden {config.hidden_size} x "
-              f"{config.num_hidden_layers} layers, {str(dtype)[6:]}", flush=True)
-        decode = name == "smol-decode"  # one generate warms up its 128 forward calls
-        runs = 3 if args.smoke else args.decode_runs if decode else args.runs
-        case = Case(name, deadline, device, runs, 1 if decode else 3, save)
-        case.skip = set(args.skip.split(","))
-        results["cases"][name] = {"shape": [first, second], "dtype": str(dtype), "rows": case.rows,
-                                  "skipped": case.skipped}
-        model = make_model(config, dtype, device)
-        if decode:
-            decode_case(case, model, first, second, args)
-        else:
-            prefill_case(case, model, first, second, args)
+    # gpu_check's `timeout` sends SIGTERM at the step's limit: stop there, keep and print the rows
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_gpu_") as scratch:
+            args.scratch = scratch  # artifacts the prefill contenders load
+            for name in cases:
+                run_case(name, table[name], deadline, device, args, results, save)
+    finally:
         save()
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print_summary(results)
+        print_summary(results)
     return 0
+
+
+def run_case(name, spec, deadline, device, args, results, save):
+    config, dtype, first, second = spec
+    print(f"{name}: {config.model_type} hidden {config.hidden_size} x "
+          f"{config.num_hidden_layers} layers, {str(dtype)[6:]}", flush=True)
+    decode = name == "smol-decode"  # one generate warms up its 128 forward calls
+    runs = 3 if args.smoke else args.decode_runs if decode else args.runs
+    case = Case(name, deadline, device, runs, 1 if decode else 3, save)
+    case.skip = set(args.skip.split(","))
+    results["cases"][name] = {"shape": [first, second], "dtype": str(dtype), "rows": case.rows,
+                              "skipped": case.skipped}
+    if time.monotonic() > deadline:  # not even the model and its reference
+        case.skipped.append("all (deadline)")
+        print(f"  {name}: skipped (deadline)", flush=True)
+        return
+    model = make_model(config, dtype, device)
+    if decode:
+        decode_case(case, model, first, second, args)
+    else:
+        prefill_case(case, model, first, second, args)
+    save()
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def print_summary(results):

@@ -149,9 +149,11 @@ def main(argv=None):
           + ("" if run_triton else ", triton skipped (CPU; --interpret to run the interpreter)"))
     print("# ms: median [p20, p80]; GB/s: inputs + outputs once / median; speedup: reference / impl")
 
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for tokens, hidden in shapes:
         for kernel in kernels:
+            written = len(rows)
             launcher, reference, inputs, nbytes = make_case(kernel, tokens, hidden, dtype, device)
             contenders = {"reference": reference}
             if not args.no_compile:
@@ -185,15 +187,17 @@ def main(argv=None):
                 print(f"{kernel:15s} {tokens:>5d}x{hidden:<5d} {impl:15s} {median:9.4f} ms "
                       f"[{p20:.4f}, {p80:.4f}]  {row['gb_per_s']:>7s} GB/s  "
                       f"x{row['speedup_vs_reference']}", flush=True)
+            append_csv(args.csv, rows[written:])  # per shape: a run cut short keeps its rows
+    print(f"# {len(rows)} rows appended to {args.csv}", file=sys.stderr)
 
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    new = not args.csv.exists() or args.csv.stat().st_size == 0
-    with args.csv.open("a", newline="") as handle:
+
+def append_csv(path: Path, rows: list[dict]) -> None:
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         if new:
             writer.writeheader()
         writer.writerows(rows)
-    print(f"# {len(rows)} rows appended to {args.csv}", file=sys.stderr)
 
 
 if __name__ == "__main__":

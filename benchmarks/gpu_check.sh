@@ -8,7 +8,9 @@
 # STEPS picks steps (default "test_kernels bench_kernels bench_gpu"; "tune_kernels" sweeps the
 # kernels' launch configs with benchmarks/tune_kernels.py); DEADLINE_S bounds bench_gpu, CASES
 # picks its cases, SKIP contenders not to run.
-# Each step runs under a timeout, the end-to-end one also under its own deadline. Writes at most
+# Each step runs under a timeout, cut to what is left of BUDGET_S (default 450: the issue's
+# 8 minutes, leaving a 15-minute lease room for tune_kernels and a machine start), the
+# end-to-end one also under its own deadline (DEADLINE_S, at most 90 s before its limit). Writes at most
 # 8 files into OUT_DIR (env.txt, the logs, bench_kernels.csv, bench_gpu.json, summary.txt) and
 # prints a summary. Exits non-zero with one line when there is no CUDA device or a step fails.
 # Python: ${PYTHON:-python3} (the machine's own: nothing is installed there; rbcompile is laid
@@ -46,8 +48,14 @@ fi
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
 } > "$OUT/env.txt" 2>&1
 
+BUDGET=${BUDGET_S:-450}
+left() { echo $((BUDGET - SECONDS)); }
 step() {  # step NAME TIMEOUT_S COMMAND... : run, log to OUT/NAME.log, remember the exit code
     local name=$1 limit=$2; shift 2
+    (( limit > $(left) )) && limit=$(left)
+    if (( limit < 30 )); then
+        echo "$name: not run (${BUDGET} s budget spent)" | tee -a "$OUT/summary.txt"; return 1
+    fi
     local start=$SECONDS
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
@@ -58,14 +66,16 @@ step() {  # step NAME TIMEOUT_S COMMAND... : run, log to OUT/NAME.log, remember 
 rc=0
 for name in ${STEPS:-test_kernels bench_kernels bench_gpu}; do
     case $name in
-        tune_kernels) PYTHONPATH="$PWD/benchmarks:${PYTHONPATH:-}" step tune_kernels 150 "$PY" benchmarks/tune_kernels.py --json "$OUT/tune_kernels.json" ;;
+        tune_kernels) PYTHONPATH="$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" step tune_kernels 150 "$PY" benchmarks/tune_kernels.py --json "$OUT/tune_kernels.json" ;;
         test_kernels) step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -x ;;
         bench_kernels) step bench_kernels 120 "$PY" benchmarks/bench_kernels.py --csv "$OUT/bench_kernels.csv" ;;
-        bench_gpu) step bench_gpu 330 "$PY" benchmarks/bench_gpu.py --out "$OUT" --deadline-s "${DEADLINE_S:-240}" \
+        bench_gpu) limit=$(( $(left) < 330 ? $(left) : 330 )); deadline=${DEADLINE_S:-240}
+                   (( deadline > limit - 90 )) && deadline=$(( limit > 90 ? limit - 90 : 0 ))
+                   step bench_gpu 330 "$PY" benchmarks/bench_gpu.py --out "$OUT" --deadline-s "$deadline" \
                           --cases "${CASES:-smol-decode,llama1b,bert,smol-prefill}" --skip "${SKIP:-}" ;;
         *) echo "gpu_check: unknown step $name" >&2; false ;;
     esac || rc=1
 done
-grep -A 40 '^bench_gpu ' "$OUT/bench_gpu.log" 2>/dev/null
+sed -n '/^bench_gpu /,$p' "$OUT/bench_gpu.log" 2>/dev/null   # the whole summary table
 echo "gpu_check: $([ $rc -eq 0 ] && echo ok || echo FAILED) in $SECONDS s; logs in $OUT"
 exit $rc
