@@ -94,9 +94,10 @@ class ModelRunner:
         rows, count = tokens.shape
         logit_positions = torch.arange(count - 1 if last_only else 0, count, device=tokens.device)
         step = self.draft_step if light else self.step
+        if rows < self.cache.batch:  # a batch bucket's idle rows (CUDA graphs)
+            tokens = tokens[padded_rows(rows, self.cache.batch, tokens.device)]
         with torch.no_grad():
-            logits = step(tokens[padded_rows(rows, self.cache.batch, tokens.device)],
-                          attention_mask, position_ids, cache_position, logit_positions,
+            logits = step(tokens, attention_mask, position_ids, cache_position, logit_positions,
                           self.cache.tensors)
         self.stats.forward_calls += 1
         if not light:
