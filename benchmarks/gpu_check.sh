@@ -68,7 +68,7 @@ for name in ${STEPS:-test_kernels bench_kernels bench_gpu}; do
     case $name in
         tune_kernels) PYTHONPATH="$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" step tune_kernels 150 "$PY" benchmarks/tune_kernels.py --json "$OUT/tune_kernels.json" ;;
         test_kernels) step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -x ;;
-        bench_kernels) step bench_kernels 120 "$PY" benchmarks/bench_kernels.py --csv "$OUT/bench_kernels.csv" ;;
+        bench_kernels) step bench_kernels 150 "$PY" benchmarks/bench_kernels.py --csv "$OUT/bench_kernels.csv" ;;
         bench_gpu) limit=$(( $(left) < 330 ? $(left) : 330 )); deadline=${DEADLINE_S:-240}
                    (( deadline > limit - 90 )) && deadline=$(( limit > 90 ? limit - 90 : 0 ))
                    step bench_gpu 330 "$PY" benchmarks/bench_gpu.py --out "$OUT" --deadline-s "$deadline" \

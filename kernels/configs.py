@@ -9,7 +9,9 @@ Two families, two kinds of config (plain dicts, so that the table is JSON):
 - elementwise kernels (swiglu, gelu_bias, gated_residual) take `[rows, BLOCK_N]` tiles of
   `block` elements; BLOCK_N is the widest power of two up to 1024 that divides the width (pads
   it by at most 1/16): 576 -> 64, 384 -> 128, 768 -> 256, so no lane is padded; strided rows,
-  broadcast rows and per-row gates stay plain 2-D indexing. `{"block": 2048, "warps": 4}`.
+  broadcast rows and per-row gates stay plain 2-D indexing. `{"block": 2048, "warps": 4}`;
+  rotary's tiles are rows x half the head dimension (not in the table yet: the heuristic's
+  until a GPU sweep times it).
 
 `TABLE[kernel][str(width)]` is benchmarks/tune_kernels.py's `--json` output from one H200
 (2026-12-04, torch 2.11, Triton 3.6, bf16, 4096 rows; `STEPS=tune_kernels

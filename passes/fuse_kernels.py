@@ -13,7 +13,9 @@ Patterns, on ATen graphs from torch.export and from the torch.compile backend (a
   (the new residual comes back as the op's second output);
 - `silu(gate) * up` (either order) -> `swiglu`;
 - `gelu(linear(x, W, b))` (erf or tanh) and the tanh formula of GPT-2's NewGELU, with its
-  bias when the producing matmul has one -> `linear(x, W)` + `gelu_bias`.
+  bias when the producing matmul has one -> `linear(x, W)` + `gelu_bias`;
+- rotary embedding `x * cos + cat(-x2, x1) * sin` (transformers' `apply_rotary_pos_emb`, per
+  q / k, partial rotary included) -> `rotary`.
 Norms and activations left as they were (a form no pattern matches: Gemma's `(1 + w)` RMSNorm)
 are counted in the pass log ("left unfused: ...").
 """
@@ -112,6 +114,53 @@ def _match_new_gelu(out: Node):
     return x, nodes
 
 
+def _half_of(node, low: bool) -> Node | None:
+    """x when `node` is `x[..., :D // 2]` (`low`) or `x[..., D // 2:]` (D: x's last dimension,
+    a fixed size), as `aten.slice.Tensor`; else None."""
+    if not _call(node, aten.slice.Tensor) or len(node.args) != 4:
+        return None
+    x, dim, start, end = node.args
+    val = x.meta.get("val") if isinstance(x, Node) else None
+    if not (isinstance(val, torch.Tensor) and all(isinstance(v, int)
+                                                  for v in (val.shape[-1], dim, start, end))):
+        return None
+    width = val.shape[-1]
+    if dim % val.dim() != val.dim() - 1:
+        return None
+    halves = start == 0 and end == width // 2 if low else start == width // 2 and end >= width
+    return x if halves else None
+
+
+def _match_rotary(add: Node):
+    """(x, cos, sin, nodes) of `x * cos + cat(-x2, x1) * sin` ending at `add` (transformers'
+    `apply_rotary_pos_emb` for one of q / k; x1, x2 the halves of x's last dimension), or None."""
+    if not _call(add, aten.add.Tensor, 2):
+        return None
+    for straight, turned in (add.args, add.args[::-1]):
+        if not (_call(straight, aten.mul.Tensor, 2) and _call(turned, aten.mul.Tensor, 2)):
+            continue
+        for cat, sin in (turned.args, turned.args[::-1]):
+            if not (_call(cat, aten.cat.default) and len(cat.args[0]) == 2
+                    and (cat.args[1] if len(cat.args) > 1 else 0) in (-1, _rank(cat) - 1)):
+                continue
+            neg, low = cat.args[0]
+            if not _call(neg, aten.neg.default):
+                continue
+            x = _half_of(low, low=True)
+            if x is None or _half_of(neg.args[0], low=False) is not x or x not in straight.args:
+                continue
+            cos = straight.args[1] if straight.args[0] is x else straight.args[0]
+            nodes = [low, neg.args[0], neg, cat, turned, straight]
+            if all(isinstance(n, Node) for n in (cos, sin)) and all(len(n.users) == 1 for n in nodes):
+                return x, cos, sin, nodes + [add]
+    return None
+
+
+def _rank(node: Node) -> int:
+    val = node.meta.get("val")
+    return val.dim() if isinstance(val, torch.Tensor) else -1
+
+
 class _Fuser:
     def __init__(self, gm: GraphModule):
         self.gm, self.counts = gm, Counter()
@@ -197,6 +246,10 @@ class _Fuser:
                         and self.same_region([silu, node])):
                     self.replace("swiglu", node, ops.swiglu.default, (silu.args[0], up),
                                  [node], [node, silu])
+            elif _call(node, aten.add.Tensor, 2) and (match := _match_rotary(node)):
+                x, cos, sin, nodes = match
+                if self.same_region(nodes):
+                    self.replace("rotary", node, ops.rotary.default, (x, cos, sin), [node], nodes)
             elif _call(node, aten.gelu.default):
                 approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
                 self.gelu(node, node.args[0], approximate, [node])

@@ -242,9 +242,9 @@ def test_width_permutation_is_exact_and_narrowing_keeps_to_prefixes(model_type):
 
 @pytest.mark.parametrize("model_type", sorted(DECODERS))
 def test_fusion_recognises_the_norms_and_activations_or_says_what_it_left(model_type):
-    """Llama-form RMSNorms (q/k norms too) and SwiGLU in either operand order (Phi-3's
-    `up * silu(gate)`) are fused; Gemma's `(1 + w)` norms are left and named in the pass log;
-    the fused full path still equals eager."""
+    """Llama-form RMSNorms (q/k norms too), SwiGLU in either operand order (Phi-3's
+    `up * silu(gate)`) and the rotary embedding of q and k are fused; Gemma's `(1 + w)` norms
+    are left and named in the pass log; the fused full path still equals eager."""
     from conftest import eager_outputs, random_batch
     from rbcompile.compiler import generate_module
     from rbcompile.passes import PIPELINE, PassContext, run_pipeline
@@ -260,6 +260,7 @@ def test_fusion_recognises_the_norms_and_activations_or_says_what_it_left(model_
     run_pipeline(traced.graph_module, ctx, PIPELINE)
     (entry,) = [p for p in ctx.history if p["pass"] == "fuse_kernels"]
     stats = entry["stats"]
+    assert stats.get("rotary") == 4, entry["summary"]  # q and k of 2 layers
     if model_type.startswith("gemma"):
         assert stats.get("gelu") == 2 and "rms_norm" not in stats
         norms = 4 * 2 + 1 + (4 if model_type == "gemma3_text" else 0)  # + Gemma 3's q/k norms

@@ -8,8 +8,9 @@ from conftest import TINY_VOCAB, eager_outputs, make_tiny_model, max_diff
 
 # arch -> (ops the pass must add, ops it must remove entirely)
 EXPECTED = {
-    "llama": ({"rbcompile.rms_norm.default", "rbcompile.swiglu.default"},
-              {"aten.rsqrt.default", "aten.silu.default"}),
+    "llama": ({"rbcompile.rms_norm.default", "rbcompile.swiglu.default",
+               "rbcompile.rotary.default"},
+              {"aten.rsqrt.default", "aten.silu.default", "aten.neg.default"}),
     "gpt2": ({"rbcompile.layer_norm.default", "rbcompile.gelu_bias.default"},
              {"aten.layer_norm.default", "aten.tanh.default", "aten.pow.Tensor_Scalar"}),
     "bert": ({"rbcompile.add_layer_norm.default", "rbcompile.gelu_bias.default"},
@@ -95,6 +96,7 @@ def test_backend_with_kernels_matches_eager():
     assert graph.handled_by == "rbcompile"
     (fused,) = [p for p in graph.passes if p["pass"] == "fuse_kernels"]
     assert fused["stats"].get("rms_norm", 0) >= 8 and fused["stats"].get("swiglu") == 4
+    assert fused["stats"].get("rotary") == 8  # q and k of 4 layers, on aot_autograd's graph too
     torch._dynamo.reset()
 
 
@@ -134,3 +136,35 @@ def test_calibrated_width_levels_are_fused_too(tiny_checkpoints, calib_file):
     assert torch.equal(compiled(ids, mask, budget=0.25)["logits"], light)
     narrow = compiled(ids, mask, widths=[0.5] * compiled.num_gates)
     assert narrow.skipped_flops > 0
+
+
+def test_the_kv_cached_decoder_is_fused_and_generates_hf_tokens(fused_tiny):
+    """The decoder graph (prefill and decode steps with a static cache) gets the same kernels:
+    its rotary embeddings, norms and SwiGLU fused; greedy tokens equal transformers'."""
+    from test_decoder import PROMPTS, _hf_new_tokens
+
+    compiled, eager = fused_tiny["llama"]
+    ops = {node[1] for node in compiled.decoder.ir["nodes"]}
+    assert {"rbcompile.rotary.default", "rbcompile.swiglu.default"} <= ops
+    assert not ops & {"aten.neg.default", "aten.rsqrt.default", "aten.silu.default"}
+    mask = (PROMPTS != 0).long()
+    assert (compiled.generate(PROMPTS, mask, max_new_tokens=8).tokens
+            == _hf_new_tokens(eager, PROMPTS, mask, 8))
+
+
+def test_a_partial_rotary_is_fused_and_matches_eager():
+    """Phi-3 with `partial_rotary_factor=0.5` rotates a slice of each head (and concatenates
+    the rest back): the slice's rotary is fused, the full path still equals eager."""
+    from test_architectures import _extra_config
+    from transformers import AutoModelForCausalLM
+
+    config = _extra_config("phi3")
+    config.rope_parameters["partial_rotary_factor"] = 0.5
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(config).eval()
+    assert eager.model.rotary_emb.inv_freq.numel() * 4 == config.hidden_size // config.num_attention_heads
+    compiled = rbcompile.compile(eager, kernels=True)
+    assert "rbcompile.rotary.default" in _ops(compiled)
+    assert "aten.neg.default" not in _ops(compiled)
+    ids, mask = _inputs()
+    assert max_diff(compiled(ids, mask), eager_outputs(eager, ids, mask)) <= 1e-5

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rbcompile.kernels import OPS, REFERENCES, _triton, configs, gated_residual, gelu
-from rbcompile.kernels import layer_norm, rms_norm, swiglu
+from rbcompile.kernels import layer_norm, rms_norm, rotary, swiglu
 
 needs_triton = pytest.mark.skipif(not _triton.AVAILABLE, reason="triton not installed")
 if _triton.AVAILABLE and not _triton.interpreting() and not torch.cuda.is_available():
@@ -84,6 +84,38 @@ def test_triton_matches_reference(shape, dtype):
                 close(actual, expected, dtype)
             except AssertionError as error:
                 raise AssertionError(f"{name}: {error}") from None
+
+
+ROTARY_SHAPES = [(1, 9, 1, 64), (2, 3, 37, 64), (3, 4, 5, 6), (1, 2, 7, 128)]  # [B, H, T, D]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rotary_matches_reference(shape, dtype):
+    """q / k as attention makes them (the projection's [B, T, H, D] transposed), cos / sin per
+    batch row or shared; a contiguous input; a partial rotary's slice of a wider head."""
+    batch, heads, tokens, width = shape
+    transposed = rand((batch, tokens, heads, width), dtype, 0).transpose(1, 2)
+    partial = rand((batch, tokens, heads, width + 6), dtype, 3).transpose(1, 2)[..., :width]
+    for label, x, angle_rows in (("transposed", transposed, batch),
+                                 ("contiguous", transposed.contiguous(), 1),
+                                 ("partial", partial, batch)):
+        cos = rand((angle_rows, 1, tokens, width), dtype, 1)
+        sin = rand((angle_rows, 1, tokens, width), dtype, 2)
+        try:
+            close(rotary.rotary_triton(x, cos, sin), rotary.rotary_reference(x, cos, sin), dtype)
+        except AssertionError as error:
+            raise AssertionError(f"{label}: {error}") from None
+
+
+@needs_triton
+def test_rotary_takes_the_reference_where_the_kernel_does_not_apply():
+    x4, cos, sin = (rand((2, 3, 4, 8), torch.float32, seed) for seed in range(3))
+    for args in ((x4[..., :7], cos[..., :7], sin[..., :7]),   # odd head dimension
+                 (x4[0], cos[0], sin[0]),                      # 3-D
+                 (x4[:, :1], cos, sin)):                       # cos / sin widen x
+        assert torch.equal(rotary.rotary_triton(*args), rotary.rotary_reference(*args))
 
 
 TABLE_WIDTHS = [384, 576, 768, 2048, 4096, 1000]  # the table's, and one the heuristic serves
@@ -158,8 +190,7 @@ def test_non_contiguous_and_mixed_dtypes():
 
 @needs_triton
 def test_cuda_dispatch_registered_and_used():
-    for name in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu",
-                 "gelu_bias", "gated_residual"):
+    for name in sorted(ALL_OP_NAMES):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"rbcompile::{name}", "CUDA"), name
     if DEVICE != "cuda":
         return
@@ -188,6 +219,9 @@ class AllOps(torch.nn.Module):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(hidden))
         self.b = torch.nn.Parameter(torch.randn(hidden))
+        angles = torch.arange(hidden) / hidden
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
 
     def forward(self, x, residual, gate):
         return self.run(OPS, x, residual, gate)
@@ -202,11 +236,12 @@ class AllOps(torch.nn.Module):
         h, residual = ops.add_layer_norm.default(h, residual, self.w, self.b, 1e-5)
         h = ops.swiglu.default(h, residual)
         h = ops.gelu_bias.default(h, self.b, "tanh")
+        h = ops.rotary.default(h, self.cos, self.sin)
         return ops.gated_residual.default(residual, h, gate), residual
 
 
 ALL_OP_NAMES = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu", "gelu_bias",
-                "gated_residual"}
+                "rotary", "gated_residual"}
 
 
 def all_ops_inputs():
@@ -276,7 +311,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rbcompile.kernels import gated_residual, gelu, layer_norm, rms_norm, swiglu
+from rbcompile.kernels import gated_residual, gelu, layer_norm, rms_norm, rotary, swiglu
 
 def source(fn, types, consts):
     names = fn.arg_names
@@ -295,6 +330,9 @@ for dt in ("bf16", "fp32"):
             (gated_residual._gated_residual_kernel,
              dict(h_ptr=P, f_ptr=P, gate_ptr=P, out_ptr=P, n_rows=I, n_cols=I, h_stride=I,
                   f_stride=I, rows_per_gate=I), tile)]
+    jobs.append((rotary._rotary_kernel,
+                 dict(x_ptr=P, cos_ptr=P, sin_ptr=P, out_ptr=P, n_rows=I, half=I, heads=I,
+                      tokens=I, **{f"{t}_{d}": I for t in "xcs" for d in "bhtd"}), tile))
     for tanh in (False, True):
         jobs.append((gelu._gelu_bias_kernel, dict(x_ptr=P, b_ptr=P, out_ptr=P, n_rows=I, n_cols=I,
                                                   x_stride=I), dict(HAS_BIAS=True, TANH=tanh, **tile)))
@@ -320,4 +358,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     if out.stdout.startswith("API"):
         pytest.skip(f"Triton's ASTSource API differs: {out.stdout}")
-    assert out.stdout.count("compiled") == 12, out.stdout
+    assert out.stdout.count("compiled") == 14, out.stdout

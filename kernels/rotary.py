@@ -1,0 +1,72 @@
+"""Rotary position embedding: `x * cos + rotate_half(x) * sin`, `rotate_half(x) = cat(-x2, x1)`
+(x1, x2: the halves of the last dimension).
+
+Reference: transformers' `apply_rotary_pos_emb` for one of q / k (Llama, Mistral, Qwen2, Gemma,
+and the rotated slice of a partial rotary: GPT-NeoX, Phi). Eager runs it as five kernels (two
+muls, neg, cat, add) on a head-transposed view; fused it is one.
+
+Triton (`rotary_triton`, the CUDA implementation): `x` `[batch, heads, tokens, head_dim]` with
+any strides (the transposed projection, a partial rotary's slice), `cos` / `sin` broadcast to it
+(`[batch or 1, 1, tokens, head_dim]`, read through stride-0 dimensions); one program per tile
+of rows (batch x heads x tokens) x half the head dimension computes both halves in fp32 with one
+cast, into a contiguous output (the reference rounds each product in the input dtype: up to one
+ulp apart in bf16 / fp16). Other ranks, an odd head dimension, or `cos` / `sin` that widen `x`
+take the reference.
+"""
+import torch
+
+from ._triton import cast, interpreting, tile_offsets, tl, triton
+from .configs import tiles
+from .registry import kernel_op
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["n_rows", "heads", "tokens"])
+    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, half, heads, tokens,
+                       x_b, x_h, x_t, x_d, c_b, c_h, c_t, c_d, s_b, s_h, s_t, s_d,
+                       BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, RTNE: tl.constexpr):
+        row, col, mask = tile_offsets(n_rows, half, BLOCK_ROWS, BLOCK_N)
+        row64 = row.to(tl.int64)
+        t = row64 % tokens
+        h = (row64 // tokens) % heads
+        b = row64 // tokens // heads
+        lo = col.to(tl.int64)[None, :]
+        hi = lo + half
+        x_row = (b * x_b + h * x_h + t * x_t)[:, None]
+        c_row = (b * c_b + h * c_h + t * c_t)[:, None]
+        s_row = (b * s_b + h * s_h + t * s_t)[:, None]
+        x1 = tl.load(x_ptr + x_row + lo * x_d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + x_row + hi * x_d, mask=mask, other=0.0).to(tl.float32)
+        c1 = tl.load(cos_ptr + c_row + lo * c_d, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + c_row + hi * c_d, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + s_row + lo * s_d, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + s_row + hi * s_d, mask=mask, other=0.0).to(tl.float32)
+        out = out_ptr + row64[:, None] * (2 * half)
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out + lo, cast(x1 * c1 - x2 * s1, dtype, RTNE), mask=mask)
+        tl.store(out + hi, cast(x2 * c2 + x1 * s2, dtype, RTNE), mask=mask)
+
+
+def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if (x.dim() != 4 or x.shape[-1] % 2 or cos.dim() > 4 or sin.dim() > 4
+            or torch.broadcast_shapes(x.shape, cos.shape, sin.shape) != x.shape):
+        return rotary_reference(x, cos, sin)
+    cos, sin = cos.expand(x.shape), sin.expand(x.shape)  # broadcast dimensions: stride 0
+    out = torch.empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, cos.dtype),
+                                                         sin.dtype), device=x.device)
+    batch, heads, tokens, width = x.shape
+    n_rows, half = batch * heads * tokens, width // 2
+    if n_rows and half:
+        block_rows, block_n, num_warps, launch = tiles("rotary", n_rows, half)
+        _rotary_kernel[launch](x, cos, sin, out, n_rows, half, heads, tokens, *x.stride(),
+                               *cos.stride(), *sin.stride(), BLOCK_ROWS=block_rows,
+                               BLOCK_N=block_n, RTNE=interpreting(), num_warps=num_warps)
+    return out
+
+
+rotary = kernel_op("rotary", rotary_reference, cuda=rotary_triton if triton is not None else None)
