@@ -24,6 +24,7 @@ from .mark_cache_reuse import mark_cache_reuse
 from .mark_prunable import mark_prunable
 from .mark_seams import mark_seams
 from .mark_skeleton import mark_skeleton
+from .share_attention_masks import share_attention_masks
 from .permute_width import permute_width
 
 logger = logging.getLogger("rbcompile.passes")
@@ -31,6 +32,7 @@ logger = logging.getLogger("rbcompile.passes")
 PIPELINE = [
     canonicalize,
     gqa_attention,
+    share_attention_masks,
     annotate_dependencies,
     annotate_flops,
     discover_blocks,

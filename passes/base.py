@@ -150,6 +150,17 @@ def writes_input(node: Node) -> bool:
     return node.op == "call_function" and bool(schema and schema.is_mutable)
 
 
+def erase_unused(node: Node) -> None:
+    """Erase `node` and then its inputs while nothing reads them (never a cache write)."""
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current.op == "call_function" and not current.users and not writes_input(current):
+            inputs = list(current.all_input_nodes)
+            current.graph.erase_node(current)
+            pending += inputs
+
+
 def is_tensor(node: Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 

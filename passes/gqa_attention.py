@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import PassContext, PassReport, graph_pass, writes_input
+from .base import PassContext, PassReport, erase_unused, graph_pass
 
 aten = torch.ops.aten
 _RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
@@ -34,17 +34,6 @@ def _grouped_source(node) -> tuple[Node, int] | None:
     return (unsqueeze.args[0], group) if isinstance(group, int) and group > 1 else None
 
 
-def _erase_unused(node: Node) -> None:
-    """Erase `node` and then its inputs while nothing reads them."""
-    pending = [node]
-    while pending:
-        current = pending.pop()
-        if current.op == "call_function" and not current.users and not writes_input(current):
-            inputs = list(current.all_input_nodes)
-            current.graph.erase_node(current)
-            pending += inputs
-
-
 @graph_pass()
 def gqa_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
     rewritten = 0
@@ -57,8 +46,8 @@ def gqa_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
         old_key, old_value = node.args[1:3]
         node.args = (node.args[0], key[0], value[0], *node.args[3:])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
-        _erase_unused(old_key)
-        _erase_unused(old_value)
+        erase_unused(old_key)
+        erase_unused(old_value)
         rewritten += 1
     gm.recompile()
     return PassReport(rewritten > 0, f"{rewritten} attentions read grouped K/V heads in place "

@@ -9,7 +9,8 @@ cache-reuse regions from a shape-keyed cache, each prunable region only when its
 With `guards="cond"` (ONNX export only, never saved) each gate is a `torch.cond` on a bool
 tensor `gates[i]`, which exports as an ONNX `If`; cache regions are computed directly and the
 width levels are chosen in Python, so a given `widths` list is baked in; fused kernels
-(`rbcompile.*` ops) call their PyTorch references, which export as plain ONNX.
+(`rbcompile.*` ops) call their PyTorch references, which export as plain ONNX, and attention
+takes torch's semantics for rows without a key (onnx_export.EXPORT_ATEN).
 """
 from __future__ import annotations
 
@@ -251,7 +252,8 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         "from rbcompile.region_cache import RegionCache",
         "from rbcompile.regions import Region, run_regions",
         "",
-        "aten = torch.ops.aten",
+        ("from rbcompile.onnx_export import EXPORT_ATEN as aten" if guards == "cond"
+         else "aten = torch.ops.aten"),
         "prims = torch.ops.prims",
         *([f"rbcompile_ops = {'rbcompile.kernels.REFERENCES' if guards == 'cond' else 'torch.ops.rbcompile'}"]
           if fused else []),

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,34 @@ def baked_widths(compiled, budget: float | None) -> list[float] | None:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return compiled.plan_for_budget(budget)[1]
+
+
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+               scale=None, enable_gqa=False):
+    """SDPA with torch's result for a query row whose every key is masked: 0. The exporter's
+    attention with an additive float mask (`share_attention_masks` gives every attention one)
+    gives NaN there, and a padded row's NaN reaches the others through the next layer's keys."""
+    import torch
+
+    out = torch.ops.aten.scaled_dot_product_attention.default(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return out  # the exporter's bool-mask attention already gives 0
+    return torch.where(torch.isnan(out), torch.zeros((), dtype=out.dtype, device=out.device), out)
+
+
+class _ExportAten:
+    """`torch.ops.aten` for the module the ONNX export traces (codegen's `guards="cond"`),
+    with the attention above."""
+    scaled_dot_product_attention = types.SimpleNamespace(default=_attention)
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch.ops.aten, name)
+
+
+EXPORT_ATEN = _ExportAten()
 
 
 def _cond_module(compiled, widths):

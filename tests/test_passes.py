@@ -1,6 +1,7 @@
 """Graph contents after the passes, the pass contracts and the debug dump."""
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
 from conftest import make_tiny_model
 from rbcompile.passes import PIPELINE, PassContext, run_pipeline
@@ -120,3 +121,68 @@ def test_debug_switch_dumps_graph_before_and_after(tmp_path):
     before = (tmp_path / "canonicalize.before.txt").read_text()
     after = (tmp_path / "canonicalize.after.txt").read_text()
     assert "_assert_tensor_metadata" in before and "_assert_tensor_metadata" not in after
+
+
+_ATTENTIONS = (aten.scaled_dot_product_attention.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def _attention_masks(gm) -> list:
+    return [n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+            for n in compute_nodes(gm) if n.target in _ATTENTIONS]
+
+
+@pytest.mark.parametrize("model_type,masks", [("llama", 1), ("gemma3_text", 2)])
+def test_attentions_share_one_additive_mask_per_mask(model_type, masks):
+    """Every layer's attention read the same bool mask and converted it itself; now one
+    `where(mask, 0, -inf)` per mask (Gemma 3: its sliding and its full one) is made once,
+    and the graph's outputs are bitwise those before the pass."""
+    from test_architectures import tiny_model
+    from rbcompile.passes import canonicalize, gqa_attention, share_attention_masks
+
+    model = tiny_model(model_type)
+    architecture = lookup(model.config)
+    traced = trace(model, architecture)
+    gm = traced.graph_module
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ctx = PassContext(family=architecture.family, input_names=traced.input_names,
+                      reference_inputs=example_inputs(architecture, model.config.vocab_size))
+    run_pipeline(gm, ctx, [canonicalize, gqa_attention])
+    before = torch.fx.Interpreter(gm).run(ids, mask)
+    assert all(m.meta["val"].dtype == torch.bool for m in _attention_masks(gm))
+    run_pipeline(gm, ctx, [share_attention_masks])
+    shared = set(_attention_masks(gm))
+    assert len(shared) == masks and len(_attention_masks(gm)) == model.config.num_hidden_layers
+    for additive in shared:
+        assert additive.target is aten.where.self and additive.meta["val"].dtype == torch.float32
+        assert [a.args[0] for a in additive.args[1:]] == [0.0, float("-inf")]
+    assert sum(n.target is aten.where.self for n in compute_nodes(gm)) == masks
+    after = torch.fx.Interpreter(gm).run(ids, mask)
+    for got, want in zip(tree_leaves(after), tree_leaves(before), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_backends_decomposed_attentions_share_their_mask_conversion():
+    """aot_autograd decomposes each attention with its own `where(mask, 0, -inf)`: the later
+    ones are replaced by one made where the mask is."""
+    from conftest import TINY_VOCAB
+    from rbcompile import backend
+
+    torch._dynamo.reset()
+    backend.reset()
+    model = make_tiny_model("llama")
+    compiled = torch.compile(model, backend="rbcompile", options={"strict": True,
+                                                                 "regions": "eager"})
+    ids = torch.randint(3, TINY_VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, use_cache=False).logits
+        got = compiled(ids, attention_mask=mask, use_cache=False).logits
+    assert (got - expected).abs().max().item() <= 1e-5
+    (graph,) = backend.compiled_graphs()
+    (entry,) = [p for p in graph.passes if p["pass"] == "share_attention_masks"]
+    assert entry["stats"] == {"attentions": model.config.num_hidden_layers, "masks": 1}
+    torch._dynamo.reset()

@@ -1,0 +1,91 @@
+"""Ops one decode step dispatches: the artifact's KV-cached decoder (eager regions), without and
+with the fused kernels, by op.
+
+    python benchmarks/count_ops.py [--layers 30] [--json benchmarks/results/count_ops.json]
+
+Inside a CUDA graph each op that is not a view is still a kernel launch (1-3 us each at decode
+sizes), so where a decode step replays eager regions, fewer ops is less GPU time; on CPU this
+counts them, it times nothing. The model is a random Llama with SmolLM2-135M's depth (30 layers)
+at a tiny width: what a step dispatches depends on the layers, not on the width. Ops are counted
+with a `TorchDispatchMode` (an `rbcompile.*` kernel counts as one), views and metadata-only ops
+left out.
+"""
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+DEFAULT_JSON = Path(__file__).parent / "results" / "count_ops.json"
+aten = torch.ops.aten
+NOT_KERNELS = {aten._unsafe_view.default, aten.sym_size.int, aten.sym_stride.int}  # views, sizes
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched inside it, by name; views and size queries are not kernels."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func not in NOT_KERNELS:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def decode_step_ops(layers: int, kernels: bool) -> collections.Counter:
+    """The ops of one decode step (after an 8-token prefill) of a random `layers`-deep Llama."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import rbcompile
+    from rbcompile.kv_cache import StaticKVCache
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512)
+    compiled = rbcompile.compile(AutoModelForCausalLM.from_config(config).eval(), kernels=kernels)
+    decoder, shape = compiled.decoder, compiled.decoder.shape
+    cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, 64,
+                          torch.zeros(1, dtype=torch.long), shape.dtype, shape.device)
+    prompt = torch.randint(0, config.vocab_size, (1, 8))
+    decoder(prompt, *cache.inputs(8, 0), torch.arange(7, 8), cache.tensors)
+    cache.commit(8)
+    with OpCounter() as counter:
+        decoder(prompt[:, -1:], *cache.inputs(1, 0), torch.arange(0, 1), cache.tensors)
+    return counter.ops
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (default 30)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write counts")
+    args = parser.parse_args(argv)
+    counts = {}
+    for kernels in (False, True):
+        start = time.perf_counter()
+        print(f"# compiling a {args.layers}-layer Llama, kernels={kernels} ...", file=sys.stderr,
+              flush=True)
+        counts["fused" if kernels else "unfused"] = decode_step_ops(args.layers, kernels)
+        print(f"#   counted in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    names = sorted(set().union(*counts.values()), key=lambda n: -max(c[n] for c in counts.values()))
+    print(f"ops per decode step, {args.layers} layers, eager regions (views not counted)")
+    print(f"{'op':45s} {'unfused':>8s} {'fused':>8s}")
+    for name in names:
+        print(f"{name:45s} {counts['unfused'][name]:8d} {counts['fused'][name]:8d}")
+    totals = {label: sum(c.values()) for label, c in counts.items()}
+    print(f"{'total':45s} {totals['unfused']:8d} {totals['fused']:8d}  "
+          f"({totals['fused'] / totals['unfused']:.2f}x)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"layers": args.layers, "torch": torch.__version__,
+                                     "totals": totals,
+                                     "ops": {k: dict(v) for k, v in counts.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
