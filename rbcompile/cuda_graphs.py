@@ -85,7 +85,7 @@ class GraphStats:
 class _Graph:
     replay: Callable
     inputs: list    # what the graph reads: its own buffers, in-place inputs, scalars
-    copied: list    # per input: True when a call's value is copied into the graph's buffer
+    copied: list    # (position, buffer) of each input a call's value is copied into
     outputs: object
 
 
@@ -153,10 +153,7 @@ class GraphCache:
         """`run(*inputs)`, through the graph captured for `key` (plus the tensor inputs' shapes
         and dtypes, the addresses of the in-place ones and the other inputs' values) when there
         is one."""
-        tensors = [v for v in inputs if isinstance(v, torch.Tensor)]
-        key = (key, tuple((tuple(v.shape), v.dtype) for v in tensors),
-               tuple(v.data_ptr() for v in tensors if self.in_place(v)),
-               tuple(_frozen(v) for v in inputs if not isinstance(v, torch.Tensor)))
+        key = (key, self._input_key(inputs))
         with self._lock:
             graph = self._graphs.get(key)
             if graph is None and key not in self._uncapturable:
@@ -167,14 +164,20 @@ class GraphCache:
                     graph = self._try_capture(key, inputs)
             if graph is not None:
                 self._graphs.move_to_end(key)
-                for static, copied, value in zip(graph.inputs, graph.copied, inputs):
-                    if copied:
-                        static.copy_(value)
+                for position, buffer in graph.copied:
+                    buffer.copy_(inputs[position])
                 graph.replay()
                 self.stats.replays += 1
                 return _clone_outputs(graph.outputs)
             self.stats.eager_calls += 1
         return self.run(*inputs)
+
+    def _input_key(self, inputs) -> tuple:
+        """Per input: a tensor's shape, dtype and (read in place) address, else its value. One
+        pass over the inputs: a decode step has two cache tensors per layer."""
+        in_place = self.in_place
+        return tuple((v.shape, v.dtype, v.data_ptr() if in_place(v) else None)
+                     if isinstance(v, torch.Tensor) else _frozen(v) for v in inputs)
 
     def _try_capture(self, key: tuple, inputs) -> _Graph | None:
         copied = [isinstance(v, torch.Tensor) and not self.in_place(v) for v in inputs]
@@ -197,7 +200,8 @@ class GraphCache:
         while len(self._graphs) >= self.max_graphs:  # evicted once the new one is captured
             self._graphs.popitem(last=False)
             self.stats.evictions += 1
-        graph = self._graphs[key] = _Graph(replay, static, copied, outputs)
+        graph = self._graphs[key] = _Graph(
+            replay, static, [(i, static[i]) for i, copy in enumerate(copied) if copy], outputs)
         del self._seen[key]
         self.stats.captures += 1
         return graph
