@@ -9,9 +9,10 @@ Triton (`rotary_triton`, the CUDA implementation): `x` `[batch, heads, tokens, h
 any strides (the transposed projection, a partial rotary's slice), `cos` / `sin` broadcast to it
 (`[batch or 1, 1, tokens, head_dim]`, read through stride-0 dimensions); one program per tile
 of rows (batch x heads x tokens) x half the head dimension computes both halves in fp32 with one
-cast, into a contiguous output (the reference rounds each product in the input dtype: up to one
-ulp apart in bf16 / fp16). Other ranks, an odd head dimension, or `cos` / `sin` that widen `x`
-take the reference.
+cast (the reference rounds each product in the input dtype: up to one ulp apart in bf16 /
+fp16). The output has x's layout (`empty_like`), as the reference's has: the compilers check a
+custom op's strides against its fake, the reference. Other ranks, an odd head dimension, other
+dtypes or devices, or `cos` / `sin` that widen `x` take the reference.
 """
 import torch
 
@@ -29,7 +30,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_rows", "heads", "tokens"])
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, half, heads, tokens,
                        x_b, x_h, x_t, x_d, c_b, c_h, c_t, c_d, s_b, s_h, s_t, s_d,
-                       BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, RTNE: tl.constexpr):
+                       o_b, o_h, o_t, o_d, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, RTNE: tl.constexpr):
         row, col, mask = tile_offsets(n_rows, half, BLOCK_ROWS, BLOCK_N)
         row64 = row.to(tl.int64)
         t = row64 % tokens
@@ -46,26 +47,33 @@ if triton is not None:
         c2 = tl.load(cos_ptr + c_row + hi * c_d, mask=mask, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + s_row + lo * s_d, mask=mask, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + s_row + hi * s_d, mask=mask, other=0.0).to(tl.float32)
-        out = out_ptr + row64[:, None] * (2 * half)
+        out = out_ptr + (b * o_b + h * o_h + t * o_t)[:, None]
         dtype = out_ptr.dtype.element_ty
-        tl.store(out + lo, cast(x1 * c1 - x2 * s1, dtype, RTNE), mask=mask)
-        tl.store(out + hi, cast(x2 * c2 + x1 * s2, dtype, RTNE), mask=mask)
+        tl.store(out + lo * o_d, cast(x1 * c1 - x2 * s1, dtype, RTNE), mask=mask)
+        tl.store(out + hi * o_d, cast(x2 * c2 + x1 * s2, dtype, RTNE), mask=mask)
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if (x.dim() != 4 or x.shape[-1] % 2 or cos.dim() > 4 or sin.dim() > 4
+    if (x.dim() != 4 or cos.dim() != 4 or sin.dim() != 4 or x.shape[-1] % 2
+            or any(t.dtype not in _FLOATS or t.device != x.device for t in (x, cos, sin))
             or torch.broadcast_shapes(x.shape, cos.shape, sin.shape) != x.shape):
         return rotary_reference(x, cos, sin)
     cos, sin = cos.expand(x.shape), sin.expand(x.shape)  # broadcast dimensions: stride 0
-    out = torch.empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, cos.dtype),
-                                                         sin.dtype), device=x.device)
+    # x's layout, as the reference's elementwise ops give it (and its fake, which the
+    # compilers check strides against)
+    out = torch.empty_like(x, dtype=torch.promote_types(torch.promote_types(x.dtype, cos.dtype),
+                                                        sin.dtype))
     batch, heads, tokens, width = x.shape
     n_rows, half = batch * heads * tokens, width // 2
     if n_rows and half:
         block_rows, block_n, num_warps, launch = tiles("rotary", n_rows, half)
         _rotary_kernel[launch](x, cos, sin, out, n_rows, half, heads, tokens, *x.stride(),
-                               *cos.stride(), *sin.stride(), BLOCK_ROWS=block_rows,
-                               BLOCK_N=block_n, RTNE=interpreting(), num_warps=num_warps)
+                               *cos.stride(), *sin.stride(), *out.stride(),
+                               BLOCK_ROWS=block_rows, BLOCK_N=block_n, RTNE=interpreting(),
+                               num_warps=num_warps)
     return out
 
 

@@ -134,7 +134,7 @@ def _half_of(node, low: bool) -> Node | None:
 def _match_rotary(add: Node):
     """(x, cos, sin, nodes) of `x * cos + cat(-x2, x1) * sin` ending at `add` (transformers'
     `apply_rotary_pos_emb` for one of q / k; x1, x2 the halves of x's last dimension), or None."""
-    if not _call(add, aten.add.Tensor, 2):
+    if not _call(add, aten.add.Tensor, 2) or add.kwargs:  # no alpha
         return None
     for straight, turned in (add.args, add.args[::-1]):
         if not (_call(straight, aten.mul.Tensor, 2) and _call(turned, aten.mul.Tensor, 2)):

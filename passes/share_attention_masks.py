@@ -12,8 +12,8 @@ aot_autograd's decomposed attention (`_scaled_dot_product_*_attention` reading i
 conversion, the same ops with the same values, is made right after the mask (with the mask's
 module, so no layer exports it to the others) and read by every attention of that mask, dtype
 and values; aot_autograd's own conversions are dropped. Masks are one mask when their views
-match (a per-layer `mask[:, :, :, :keys]` of one mask). A mask made inside a numbered layer is
-left alone.
+match. A mask made inside a numbered layer (a per-layer view, say) or not computed in the graph
+(an input) is left alone: the conversion would belong to that layer, or to no module.
 
 Requires: nothing (after canonicalize). Ensures: the graph computes the same values; no two
 attentions convert one mask each on their own.
@@ -130,7 +130,8 @@ def share_attention_masks(gm: GraphModule, ctx: PassContext) -> PassReport:
         if node.op != "call_function" or node.target not in _MASK_ARG:
             continue
         found = _conversion(node)
-        if found is None or _val(found[0]) is None or not _outside_layers(found[0]):
+        if (found is None or found[0].op != "call_function" or _val(found[0]) is None
+                or not _outside_layers(found[0])):
             continue
         mask, dtype, values = found
         key = (_structure(mask), dtype, values)

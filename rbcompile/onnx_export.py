@@ -75,7 +75,8 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
                scale=None, enable_gqa=False):
     """SDPA with torch's result for a query row whose every key is masked: 0. The exporter's
     attention with an additive float mask (`share_attention_masks` gives every attention one)
-    gives NaN there, and a padded row's NaN reaches the others through the next layer's keys."""
+    gives NaN there, and a padded row's NaN reaches the others through the next layer's keys.
+    (A NaN from the inputs becomes 0 here too, where torch would pass it on.)"""
     import torch
 
     out = torch.ops.aten.scaled_dot_product_attention.default(
