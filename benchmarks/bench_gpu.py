@@ -86,6 +86,13 @@ def make_model(config, dtype, device):
         return auto.from_config(config, dtype=dtype).eval()
 
 
+def free_memory(device):
+    """Collect what the last contender or case left, and give its cached CUDA memory back."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -162,9 +169,7 @@ class Case:
             self.rows.append({"case": self.name, "contender": label, "error": message[:300]})
             self.save()
         finally:  # the contender's graphs and pools go before the next one's are captured
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_memory(self.device)
 
     def row(self, label, budget, ms, compile_s, out, reference):
         from rbcompile.placement import within_tolerance
@@ -409,9 +414,7 @@ def run_case(name, spec, deadline, device, args, results, save):
         prefill_case(case, model, first, second, args)
     save()
     del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
 
 
 def print_summary(results):

@@ -165,6 +165,12 @@ def is_tensor(node: Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def tensor_val(value) -> torch.Tensor | None:
+    """The (fake) tensor a node computes, or None (a non-node argument, a scalar, no meta)."""
+    val = value.meta.get("val") if isinstance(value, Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def compute_nodes(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function"]
 

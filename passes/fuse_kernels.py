@@ -29,7 +29,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..kernels import OPS as ops
-from .base import REGION, PassContext, PassReport, graph_pass
+from .base import REGION, PassContext, PassReport, graph_pass, tensor_val
 
 aten = torch.ops.aten
 _CASTS = {aten.to.dtype, aten._to_copy.default}
@@ -120,15 +120,18 @@ def _half_of(node, low: bool) -> Node | None:
     if not _call(node, aten.slice.Tensor) or len(node.args) != 4:
         return None
     x, dim, start, end = node.args
-    val = x.meta.get("val") if isinstance(x, Node) else None
-    if not (isinstance(val, torch.Tensor) and all(isinstance(v, int)
-                                                  for v in (val.shape[-1], dim, start, end))):
+    val = tensor_val(x)
+    if not (_on_last_dim(x, dim) and all(isinstance(v, int) for v in (val.shape[-1], start, end))):
         return None
     width = val.shape[-1]
-    if dim % val.dim() != val.dim() - 1:
-        return None
     halves = start == 0 and end == width // 2 if low else start == width // 2 and end >= width
     return x if halves else None
+
+
+def _on_last_dim(node, dim) -> bool:
+    """`dim` (an int, maybe negative) is the last dimension of the tensor `node` computes."""
+    val = tensor_val(node)
+    return val is not None and isinstance(dim, int) and dim % val.dim() == val.dim() - 1
 
 
 def _match_rotary(add: Node):
@@ -141,7 +144,7 @@ def _match_rotary(add: Node):
             continue
         for cat, sin in (turned.args, turned.args[::-1]):
             if not (_call(cat, aten.cat.default) and len(cat.args[0]) == 2
-                    and (cat.args[1] if len(cat.args) > 1 else 0) in (-1, _rank(cat) - 1)):
+                    and _on_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0)):
                 continue
             neg, low = cat.args[0]
             if not _call(neg, aten.neg.default):
@@ -154,11 +157,6 @@ def _match_rotary(add: Node):
             if all(isinstance(n, Node) for n in (cos, sin)) and all(len(n.users) == 1 for n in nodes):
                 return x, cos, sin, nodes + [add]
     return None
-
-
-def _rank(node: Node) -> int:
-    val = node.meta.get("val")
-    return val.dim() if isinstance(val, torch.Tensor) else -1
 
 
 class _Fuser:

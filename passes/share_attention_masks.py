@@ -27,7 +27,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from .base import PassContext, PassReport, erase_unused, graph_pass, module_path
+from .base import PassContext, PassReport, erase_unused, graph_pass, module_path, tensor_val
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
@@ -51,11 +51,6 @@ def _set_mask(node: Node, mask: Node) -> None:
         node.args = (*node.args[:position], mask, *node.args[position + 1:])
     else:
         node.kwargs = {**node.kwargs, keyword: mask}
-
-
-def _val(node) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _structure(value):
@@ -82,14 +77,14 @@ def _scalar(node) -> tuple | None:
 def _conversion(attention: Node) -> tuple[Node, torch.dtype, tuple] | None:
     """(bool mask, dtype, (value where True, value where False)) of the additive mask that
     `attention` reads (aot_autograd's `where`) or makes itself (SDPA of a bool mask), or None."""
-    mask, query = _get_mask(attention), _val(attention.args[0])
+    mask, query = _get_mask(attention), tensor_val(attention.args[0])
     if isinstance(mask, Node) and mask.target is aten.where.self:
         scalars = [_scalar(arg) for arg in mask.args[1:3]]
         if None in scalars or scalars[0][1] is None or scalars[0][1] != scalars[1][1]:
             return None
         return mask.args[0], scalars[0][1], (scalars[0][0], scalars[1][0])
-    if (attention.target is _SDPA and query is not None and _val(mask) is not None
-            and _val(mask).dtype == torch.bool):
+    if (attention.target is _SDPA and query is not None and tensor_val(mask) is not None
+            and tensor_val(mask).dtype == torch.bool):
         return mask, query.dtype, (0.0, float("-inf"))
     return None
 
@@ -102,7 +97,7 @@ def _outside_layers(node: Node) -> bool:
 def _convert(graph, mask: Node, dtype: torch.dtype, values: tuple) -> Node:
     """`where(mask, values[0], values[1])` in `dtype`, right after `mask` (with its module)."""
     meta = {k: v for k, v in mask.meta.items() if k != "val"}
-    mask_val = _val(mask)
+    mask_val = tensor_val(mask)
     mode = detect_fake_mode([mask_val])
     scalars, anchor = [], mask
     for value in values:
@@ -130,7 +125,7 @@ def share_attention_masks(gm: GraphModule, ctx: PassContext) -> PassReport:
         if node.op != "call_function" or node.target not in _MASK_ARG:
             continue
         found = _conversion(node)
-        if (found is None or found[0].op != "call_function" or _val(found[0]) is None
+        if (found is None or found[0].op != "call_function" or tensor_val(found[0]) is None
                 or not _outside_layers(found[0])):
             continue
         mask, dtype, values = found
