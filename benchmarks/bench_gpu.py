@@ -11,7 +11,8 @@ at a budget is reported as agreement with the full path, not as task quality):
   static KV cache (tokens/s); `inductor-ro` is transformers' own compile of the forward
   (mode reduce-overhead, its default on CUDA with a static cache), the others disable it;
   `rbc-generate` is the artifact's own KV-cached decoder (CompiledModel.generate, a CUDA graph
-  per decode step and plan; budgets skip MLPs);
+  per decode step and plan; budgets skip MLPs; q / k / v and gate / up stacked, the CUDA
+  default), `rbc-generate-unstacked` the same without stacked projections;
 - `llama1b`: a Llama-3.2-1B-sized model in bf16, prefill 4 x 1024 (logits).
 
 Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`), `inductor-ro` (mode reduce-overhead: inductor + CUDA graphs),
@@ -300,12 +301,12 @@ def decode_case(case: Case, model, prompt, new, args):
     if case.device.type == "cuda":
         case.contender("inductor-ro", patched(forward, hf_compile=True))
 
-    def artifact_generate(plans=False):
+    def artifact_generate(plans=False, stack=None):
         def setup():
             import rbcompile
 
             model.forward = forward  # trace the model itself, not a compiled forward
-            compiled = rbcompile.compile(model)
+            compiled = rbcompile.compile(model, stack_projections=stack)  # None: on CUDA
             compiled.hf_config["eos_token_id"] = None  # all `new` tokens, like the others
             if plans:
                 compiled.compile_plans()
@@ -331,6 +332,8 @@ def decode_case(case: Case, model, prompt, new, args):
     case.contender("rbc-generate-plan", artifact_generate(plans=True), (None, BUDGETS[0]))
     case.contender("rbc-backend-plan", patched(torch.compile(
         forward, backend="rbcompile", options={**options, "regions": "plan"})), (None,))
+    # rbc-generate without stacked projections (passes/fuse_projections.py): what they save
+    case.contender("rbc-generate-unstacked", artifact_generate(stack=False), (None,))
     graphs = backend.compiled_graphs()  # both backend contenders' (0 gates: not adaptive)
     handled = [g.handled_by for g in graphs]
     gates = sorted({g.num_gates for g in graphs if g.handled_by == "rbcompile"})

@@ -1,5 +1,6 @@
 """Ops one decode step dispatches: the artifact's KV-cached decoder (eager regions), without and
-with the fused kernels, by op.
+with the fused kernels, and with them and stacked projections (q / k / v and gate / up as one
+matmul each: what `rbcompile.compile` makes on CUDA), by op.
 
     python benchmarks/count_ops.py [--layers 30] [--json benchmarks/results/count_ops.json]
 
@@ -38,7 +39,7 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def decode_step_ops(layers: int, kernels: bool) -> collections.Counter:
+def decode_step_ops(layers: int, kernels: bool, stack: bool) -> collections.Counter:
     """The ops of one decode step (after an 8-token prefill) of a random `layers`-deep Llama."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -49,7 +50,8 @@ def decode_step_ops(layers: int, kernels: bool) -> collections.Counter:
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512)
-    compiled = rbcompile.compile(AutoModelForCausalLM.from_config(config).eval(), kernels=kernels)
+    compiled = rbcompile.compile(AutoModelForCausalLM.from_config(config).eval(), kernels=kernels,
+                                 stack_projections=stack)
     decoder, shape = compiled.decoder, compiled.decoder.shape
     cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, 64,
                           torch.zeros(1, dtype=torch.long), shape.dtype, shape.device)
@@ -67,20 +69,22 @@ def main(argv=None):
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write counts")
     args = parser.parse_args(argv)
     counts = {}
-    for kernels in (False, True):
+    for label, kernels, stack in (("unfused", False, False), ("fused", True, False),
+                                  ("stacked", True, True)):
         start = time.perf_counter()
-        print(f"# compiling a {args.layers}-layer Llama, kernels={kernels} ...", file=sys.stderr,
-              flush=True)
-        counts["fused" if kernels else "unfused"] = decode_step_ops(args.layers, kernels)
+        print(f"# compiling a {args.layers}-layer Llama, kernels={kernels}, "
+              f"stack_projections={stack} ...", file=sys.stderr, flush=True)
+        counts[label] = decode_step_ops(args.layers, kernels, stack)
         print(f"#   counted in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     names = sorted(set().union(*counts.values()), key=lambda n: -max(c[n] for c in counts.values()))
-    print(f"ops per decode step, {args.layers} layers, eager regions (views not counted)")
-    print(f"{'op':45s} {'unfused':>8s} {'fused':>8s}")
+    print(f"ops per decode step, {args.layers} layers, eager regions (views not counted); "
+          "stacked: fused + stacked projections")
+    print(f"{'op':57s}" + "".join(f" {label:>8s}" for label in counts))
     for name in names:
-        print(f"{name:45s} {counts['unfused'][name]:8d} {counts['fused'][name]:8d}")
+        print(f"{name:57s}" + "".join(f" {c[name]:8d}" for c in counts.values()))
     totals = {label: sum(c.values()) for label, c in counts.items()}
-    print(f"{'total':45s} {totals['unfused']:8d} {totals['fused']:8d}  "
-          f"({totals['fused'] / totals['unfused']:.2f}x)")
+    print(f"{'total':57s}" + "".join(f" {total:8d}" for total in totals.values())
+          + f"  ({totals['stacked'] / totals['unfused']:.2f}x)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"layers": args.layers, "torch": torch.__version__,
                                      "totals": totals,

@@ -19,6 +19,7 @@ from .canonicalize import canonicalize
 from .discover_blocks import discover_blocks
 from .form_regions import form_regions
 from .fuse_kernels import fuse_kernels
+from .fuse_projections import fuse_projections
 from .gqa_attention import gqa_attention
 from .mark_cache_reuse import mark_cache_reuse
 from .mark_prunable import mark_prunable
@@ -41,6 +42,7 @@ PIPELINE = [
     mark_cache_reuse,
     form_regions,
     fuse_kernels,
+    fuse_projections,
     mark_seams,
 ]
 

@@ -89,6 +89,8 @@ class PassContext:
     permutations: dict[str, dict[str, list[int]]] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     kernels: bool = False                    # fuse_kernels: replace patterns with fused kernels
+    fuse_projections: bool = False           # fuse_projections: stack projections of one input
+    concatenated: dict[str, list[str]] = field(default_factory=dict)  # stacked key -> part keys
     dump_pass: str | None = None             # dump the graph before/after this pass
     dump_dir: str | None = None
 

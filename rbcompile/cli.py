@@ -125,6 +125,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action="store_true",
                    help="fuse norms and activations into rbcompile's kernels (Triton on CUDA; "
                    "default off: on CPU they run their PyTorch references)")
+    p.add_argument("--stack-projections", action=argparse.BooleanOptionalAction, default=None,
+                   help="the KV-cached decoder computes q/k/v and gate/up as one matmul each "
+                   "(default: on with --device cuda, off on cpu, where it measured no faster)")
     _placement_options(p, "trace and compile on this device (default cpu)",
                        "precision the graph is traced and runs in: fp32 (default), bf16, fp16")
     p.add_argument("--dump-pass", help="write the graph before/after this pass to ./rbcompile-dump")
@@ -290,7 +293,8 @@ def _cmd_compile(args) -> None:
                               calib_samples=args.calib_samples, calib_seq=args.calib_seq,
                               width_levels=args.width_levels, width_floor=args.width_floor,
                               calib_head=args.calib_head, kernels=args.kernels,
-                              device=args.device, dtype=args.dtype)
+                              device=args.device, dtype=args.dtype,
+                              stack_projections=args.stack_projections)
     if args.verbose:
         for entry in model.manifest["passes"]:
             say(f"  pass {entry['pass']}: {entry['summary']}")

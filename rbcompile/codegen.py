@@ -216,6 +216,18 @@ def _forward(ir: dict, guards: str) -> list[str]:
             f"{_INDENT * 2}return ({results},)"]
 
 
+def _concatenated(stacks: dict[str, list[str]]) -> list[str]:
+    """The CONCATENATED table, where the graph stacks weights (older artifacts have none, and
+    their code stays what it was)."""
+    if not stacks:
+        return []
+    return ["    # weights key -> the keys it stacks by rows (attach_weights makes it; the parts are",
+            "    # then its views)",
+            "    CONCATENATED = {",
+            *(f"        {key!r}: {parts!r}," for key, parts in stacks.items()),
+            "    }"]
+
+
 def generate_source(ir: dict, guards: str = "python") -> str:
     """Python source of the generated module for a validated IR: gates as Python bools
     (`guards="python"`, the artifact's model.py) or as `torch.cond`s on a bool tensor ("cond");
@@ -267,6 +279,7 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         "    PARAMETERS = {",
         param_lines,
         "    }",
+        *_concatenated(ir.get("concatenated", {})),
         "    # buffer name -> (weights key, axis, length): narrowed views for width levels",
         "    PARAMETER_VIEWS = {",
         *([view_lines] if view_lines else []),

@@ -13,7 +13,7 @@ from .codegen import generate_source
 from .cuda_graphs import GraphCache, plan_key
 from .decoder import DECODER_GRAPH, DECODER_SOURCE, STEP_INPUTS, Decoder
 from .kv_cache import DecoderShape
-from .module import attach_weights, compile_regions, instantiate, weights
+from .module import attach_weights, compile_regions, instantiate, stored_weights
 from .plan_graphs import PlanGraphs, compile_plans
 from .errors import UserError, first_line
 from .ir import check_ir
@@ -95,11 +95,9 @@ class CompiledModel:
         check_same_dtype(self.dtype, parse_dtype(dtype))
         if device is not None and device != self.device:
             modules = [self.module] + ([self.decoder.module] if self.decoder else [])
-            moved = {}  # each tensor moved once: the modules share weights
-            for module in modules:
-                moved.update({key: tensor.to(device) for key, tensor in weights(module).items()
-                              if key not in moved})
-                attach_weights(module, moved)
+            # each tensor moved once (the modules share weights), the stacks made again there
+            attach_weights(modules, {key: tensor.to(device)
+                                     for key, tensor in stored_weights(modules).items()})
             for module in modules:
                 module.region_cache.clear()
             if self.offramps is not None:
@@ -347,7 +345,7 @@ class CompiledModel:
                 (tmp / DECODER_SOURCE).write_text(self.decoder.source)
                 modules.append(self.decoder.module)
             tensors = {key: tensor.detach().contiguous().cpu()
-                       for module in modules for key, tensor in weights(module).items()}
+                       for key, tensor in stored_weights(modules).items()}
             save_file(tensors, str(tmp / WEIGHTS))
             (tmp / CONFIG).write_text(json.dumps(self.hf_config, indent=1, default=str))
             tokenizer_files = (copy_tokenizer_files(self.tokenizer_dir, tmp)
@@ -415,7 +413,7 @@ def load(path, device=None, dtype=None) -> CompiledModel:
         raise UserError(f"corrupt safetensors file {path / WEIGHTS}: "
                         f"{first_line(exc)}") from None
     module = instantiate(source, str(path))
-    attach_weights(module, tensors)
+    attach_weights([module], tensors)
     if (len(manifest["regions"]) != len(ir["regions"])
             or sum(r["kind"] == "prunable" for r in manifest["regions"]) != module.NUM_GATES):
         raise UserError(f"{path / MANIFEST}: invalid manifest: its regions do not match {GRAPH}")
@@ -431,7 +429,7 @@ def load(path, device=None, dtype=None) -> CompiledModel:
             raise UserError(f"{path}: its decoder was built by an older rbcompile (step inputs "
                             f"{', '.join(decoder_ir['inputs'][:4])}, ...); compile it again")
         decoder_module = instantiate(decoder_source, f"{path} decoder")
-        attach_weights(decoder_module, tensors)
+        attach_weights([module, decoder_module], tensors)  # (it reads views of its stacks)
         decoder = Decoder(decoder_module, decoder_ir, decoder_source,
                           DecoderShape(**manifest["decoder"]["shape"]),
                           manifest["decoder"].get("draft"))

@@ -30,12 +30,15 @@ def graph_weights(gm, ir: dict) -> dict:
     return {key: operator.attrgetter(key)(gm) for key in ir["parameters"].values()}
 
 
-def build_module(ir: dict, weights: dict, title: str) -> tuple[str, torch.nn.Module]:
-    """(source, module with `weights` attached) for an IR: the one place code is generated."""
+def build_module(ir: dict, weights: dict, title: str,
+                 sharing: tuple[torch.nn.Module, ...] = ()) -> tuple[str, torch.nn.Module]:
+    """(source, module with `weights` attached) for an IR: the one place code is generated.
+    `sharing`: modules built earlier over the same weights, attached again with it (they then
+    read views of the weights it stacks)."""
     ir["title"] = title
     source = generate_source(ir)
     module = instantiate(source, title)
-    attach_weights(module, weights)
+    attach_weights([module, *sharing], weights)
     return source, module
 
 
@@ -177,10 +180,11 @@ def choose_plans(compiled, calibration: Calibration) -> tuple[dict, list[dict]]:
     return importance, plans
 
 
-def build_decoder(model, architecture, dims, weights: dict, title: str,
-                  kernels: bool = False) -> Decoder:
+def build_decoder(model, architecture, dims, module, weights: dict, title: str,
+                  kernels: bool = False, stack_projections: bool = False) -> Decoder:
     """The KV-cached decoder module (trace.CachedDecoder through the same passes and codegen),
-    over `weights` (the main module's tensors by key: one copy, permuted alike)."""
+    over `weights` (the tensors of the main `module` by key: one copy, permuted alike; the
+    projections it stacks become views of the stacks in both modules)."""
     with step("tracing the KV-cached decoder (prefill and decode steps)"):
         traced = trace_cached(model, architecture, dims.max_positions)
     device, dtype = model_placement(model)
@@ -188,16 +192,18 @@ def build_decoder(model, architecture, dims, weights: dict, title: str,
     reference = cached_example_inputs(dims, seq, batch=1, seq=seq, dtype=dtype, device=device)
     ctx = PassContext(family=architecture.family, reference_inputs=reference,
                       input_names=traced.input_names, architecture=architecture, dims=dims,
-                      kernels=kernels)
+                      kernels=kernels, fuse_projections=stack_projections)
     gm = traced.graph_module
     with step(f"running {len(PIPELINE)} passes on the decoder"):
         run_pipeline(gm, ctx)
     ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names)
-    own = graph_weights(gm, ir)
-    source, module = build_module(ir, {key: weights.get(key, own[key]) for key in own},
-                                  f"{title} decoder")
+    ir["concatenated"] = ctx.concatenated
+    keys = [*(key for key in ir["parameters"].values() if key not in ctx.concatenated),
+            *(part for parts in ctx.concatenated.values() for part in parts)]
+    own = {key: operator.attrgetter(key)(gm) for key in keys}
+    source, decoder_module = build_module(ir, {**own, **weights}, f"{title} decoder", (module,))
     sizes = DecoderShape(dims.layers, dims.kv_heads, dims.head_dim, dims.max_positions)
-    return Decoder(module, ir, source, sizes)
+    return Decoder(decoder_module, ir, source, sizes)
 
 
 def choose_draft_plan(compiled, calibration: Calibration, prompts: int = 2,
@@ -263,10 +269,14 @@ def _load(model_or_path, calib, device, dtype):
 def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                   calib_samples: int | None = None, calib_seq: int | None = None,
                   width_levels=DEFAULT_LEVELS, width_floor: float = 0.5, calib_head=None,
-                  kernels: bool = False, device=None, dtype=None, calib_budgets=None):
+                  kernels: bool = False, device=None, dtype=None, calib_budgets=None,
+                  stack_projections: bool | None = None):
     """Compile a bundled model name, a checkpoint folder or a loaded transformers model;
     with `calib` (a text source), also calibrate importance and budget plans; with `kernels`,
-    fuse norms and activations into rbcompile's kernels (passes/fuse_kernels.py).
+    fuse norms and activations into rbcompile's kernels (passes/fuse_kernels.py);
+    `stack_projections`: the KV-cached decoder computes q / k / v and gate / up as one matmul
+    each (passes/fuse_projections.py; default: on CUDA, where it saves kernel launches; on CPU
+    it measured no faster, `benchmarks/bench_decode_step.py`).
     `calib_budgets`: the budgets plans are made for (default calibrate.BUDGET_GRID, 0.05 to
     0.5); the greedy search stops at the largest.
 
@@ -322,7 +332,10 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
         ir["variants"] = width_variants(model, ir, weights, ctx, calibration.levels)
     title = f"{source['name']} ({arch['class']}, rbcompile {__version__})"
     source_code, module = build_module(ir, weights, title)
-    decoder = (build_decoder(model, architecture, dims, weights, title, kernels)
+    if stack_projections is None:
+        stack_projections = model_device.type == "cuda"
+    decoder = (build_decoder(model, architecture, dims, module, weights, title, kernels,
+                             stack_projections)
                if architecture.family == DECODER else None)
     manifest = {"source": source, "architecture": arch, "passes": ctx.history,
                 "cache_candidates": ctx.cache_candidates}

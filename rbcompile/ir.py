@@ -249,6 +249,17 @@ def _check_seams(ir: dict) -> None:
             raise UserError(f"corrupt artifact graph: bad seam in region {region['id']}")
 
 
+def _check_concatenated(ir: dict) -> None:
+    """Each stacked weight (passes/fuse_projections.py) is a parameter of the graph, made of
+    two or more other weights."""
+    keys = set(ir["parameters"].values())
+    for key, parts in ir.get("concatenated", {}).items():
+        if (key not in keys or not isinstance(parts, list) or len(parts) < 2
+                or not all(isinstance(p, str) and _PARAM_KEY.fullmatch(p) and p != key
+                           for p in parts)):
+            raise UserError(f"corrupt artifact graph: bad stacked weight {key!r}")
+
+
 def check_ir(ir: dict) -> None:
     """Validate an IR loaded from disk before generating code from it."""
     try:
@@ -287,6 +298,7 @@ def check_ir(ir: dict) -> None:
         if not set(ir.get("sequence_outputs", [])) <= {name for name, _ in ir["outputs"]}:
             raise UserError("corrupt artifact graph: unknown sequence output")
         _check_seams(ir)
+        _check_concatenated(ir)
         params = set(ir["parameters"])
         for variant in ir.get("variants", []):
             params |= _check_variant(variant, ir)

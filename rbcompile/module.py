@@ -44,17 +44,56 @@ def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {key: module.get_buffer(name) for name, key in module.PARAMETERS.items()}
 
 
-def attach_weights(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Register each tensor named in module.PARAMETERS as a buffer; strict on missing keys."""
-    missing = [key for key in module.PARAMETERS.values() if key not in tensors]
-    if missing:
-        raise UserError(f"weights are missing {len(missing)} tensors, e.g. {missing[0]}")
-    for name, key in module.PARAMETERS.items():
-        module.register_buffer(name, tensors[key])
-    for name, (key, axis, length) in module.PARAMETER_VIEWS.items():
-        if key not in tensors or tensors[key].dim() <= axis or tensors[key].shape[axis] < length:
-            raise UserError(f"weights cannot provide the view {name} of {key}")
-        module.register_buffer(name, tensors[key].narrow(axis, 0, length), persistent=False)
+def stacks(module: torch.nn.Module) -> dict[str, list[str]]:
+    """A generated module's stacked weights: key -> the keys of its parts (codegen writes the
+    table only where the graph stacks weights)."""
+    return getattr(module, "CONCATENATED", {})
+
+
+def stored_weights(modules: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """The tensors generated modules hold, by key, without the stacks `attach_weights` makes
+    (an artifact stores their parts)."""
+    stacked = {key for module in modules for key in stacks(module)}
+    return {key: tensor for module in modules for key, tensor in weights(module).items()
+            if key not in stacked}
+
+
+def stack_parts(tensors: dict[str, torch.Tensor],
+                concatenated: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """`tensors` with each stack of `concatenated` (key -> part keys) made by rows, and its
+    parts replaced by views of it: the weights are held once."""
+    tensors = dict(tensors)
+    for key, parts in concatenated.items():
+        missing = [part for part in parts if part not in tensors]
+        if missing:
+            raise UserError(f"weights are missing {missing[0]}, a part of {key}")
+        try:
+            stack = torch.cat([tensors[part] for part in parts])
+        except RuntimeError:
+            raise UserError(f"weights cannot be stacked into {key}: their shapes differ") from None
+        tensors[key], start = stack, 0
+        for part in parts:
+            rows = tensors[part].shape[0]
+            tensors[part], start = stack.narrow(0, start, rows), start + rows
+    return tensors
+
+
+def attach_weights(modules: list[torch.nn.Module], tensors: dict[str, torch.Tensor]) -> None:
+    """Register each tensor named in a module's PARAMETERS as its buffer; strict on missing
+    keys. The stacks the modules' CONCATENATED tables name are made first, once for all of
+    them (`stack_parts`), so modules that share weights share them after too."""
+    tensors = stack_parts(tensors, {key: parts for module in modules
+                                    for key, parts in stacks(module).items()})
+    for module in modules:
+        missing = [key for key in module.PARAMETERS.values() if key not in tensors]
+        if missing:
+            raise UserError(f"weights are missing {len(missing)} tensors, e.g. {missing[0]}")
+        for name, key in module.PARAMETERS.items():
+            module.register_buffer(name, tensors[key])
+        for name, (key, axis, length) in module.PARAMETER_VIEWS.items():
+            if key not in tensors or tensors[key].dim() <= axis or tensors[key].shape[axis] < length:
+                raise UserError(f"weights cannot provide the view {name} of {key}")
+            module.register_buffer(name, tensors[key].narrow(axis, 0, length), persistent=False)
 
 
 def compile_regions(module: torch.nn.Module) -> None:

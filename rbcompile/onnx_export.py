@@ -109,7 +109,10 @@ def _cond_module(compiled, widths):
     from .module import attach_weights, instantiate, weights
 
     inner = instantiate(generate_source(compiled.ir, guards="cond"), "cond")
-    attach_weights(inner, weights(compiled.module))
+    # a weight the decoder stacks is a view of the stack here: torch.export's cond refuses
+    # buffers that alias each other, so those are copied
+    attach_weights([inner], {key: tensor.clone() if tensor._base is not None else tensor
+                             for key, tensor in weights(compiled.module).items()})
 
     class Gated(torch.nn.Module):
         def __init__(self):

@@ -45,6 +45,54 @@ def test_decoder_graph_writes_the_cache_in_the_skeleton_and_gates_the_mlps(saved
                                         "cache_position", "logit_positions"]
 
 
+def _stacks(compiled) -> dict:
+    """stacked key -> (the decoder's stack, the main module's parts), as buffers."""
+    from rbcompile.module import stacks
+
+    main, decoder = compiled.module, compiled.decoder.module
+    by_key = {key: name for name, key in main.PARAMETERS.items()}
+    own = {key: name for name, key in decoder.PARAMETERS.items()}
+    return {key: (decoder.get_buffer(own[key]), [main.get_buffer(by_key[p]) for p in parts])
+            for key, parts in stacks(decoder).items()}
+
+
+def test_the_decoder_stacks_projections_the_main_module_reads_as_views(
+        tiny_checkpoints, calib_file, monkeypatch, tmp_path):
+    """With `stack_projections` (the default on CUDA), q / k / v and gate / up are one matmul
+    each in the decoder (4 per layer, not 7), and a calibrated one (permuted weights, width
+    levels) still generates HF's tokens; the stacks are made at load from the parts the
+    artifact stores, and the main module's parts are views of them (the weights are held
+    once), also after `to(device)`."""
+    from safetensors import safe_open
+
+    from rbcompile.models import load_hf_model
+
+    path = tiny_checkpoints["llama"]
+    folder = rbcompile.compile(path, calib=calib_file, calib_samples=8, calib_seq=32,
+                               stack_projections=True).save(tmp_path / "artifact")
+    compiled = rbcompile.load(folder)
+    layers = compiled.decoder.shape.layers
+    linears = [node for node in compiled.decoder.ir["nodes"] if node[1] == "aten.linear.default"]
+    assert len(linears) == 4 * layers + 1  # + the LM head
+    stacks = _stacks(compiled)
+    assert [key.rsplit(".", 1)[1] for key in stacks] == \
+        ["q_proj_k_proj_v_proj_weight", "gate_proj_up_proj_weight"] * layers
+    for stack, parts in stacks.values():
+        assert all(part._base is stack for part in parts)
+        assert torch.equal(torch.cat(parts), stack)
+    with safe_open(str(folder / "weights.safetensors"), "pt") as stored:
+        keys = set(stored.keys())
+    assert not keys & set(stacks) and set(compiled.module.PARAMETERS.values()) <= keys
+    mask = (PROMPTS != 0).long()
+    for speculate in ("off", "self"):
+        assert compiled.generate(PROMPTS, mask, max_new_tokens=10, speculate=speculate).tokens \
+            == _hf_new_tokens(load_hf_model(path), PROMPTS, mask, 10)
+    monkeypatch.setattr("rbcompile.compiled.parse_device", torch.device)  # "meta" as a device
+    compiled.to("meta")
+    for stack, parts in _stacks(compiled).values():
+        assert stack.device.type == "meta" and all(part._base is stack for part in parts)
+
+
 def test_a_trace_that_writes_no_cache_is_refused(compiled_tiny, monkeypatch):
     """A transformers whose forward takes the cache by a name rbcompile does not pass would make
     a cache of its own and leave the given tensors unwritten: compile says so."""

@@ -186,3 +186,45 @@ def test_the_backends_decomposed_attentions_share_their_mask_conversion():
     (entry,) = [p for p in graph.passes if p["pass"] == "share_attention_masks"]
     assert entry["stats"] == {"attentions": model.config.num_hidden_layers, "masks": 1}
     torch._dynamo.reset()
+
+
+class _Projections(torch.nn.Module):
+    """q / k / v of one input (v flattened: its view merges the last dimension), a biased
+    pair of another, and a projection alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, n, bias=False) for n in (8, 4, 4))
+        self.a, self.b = torch.nn.Linear(8, 6), torch.nn.Linear(8, 6)
+        self.alone = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        q = self.q(x).view(2, 5, 2, 4).transpose(1, 2)
+        k = self.k(x).view(2, 5, 1, 4).transpose(1, 2)
+        v = self.v(x).view(2, 20)
+        return q.sum(1) + k.sum(1), v, torch.nn.functional.silu(self.a(y)) * self.b(y), self.alone(x)
+
+
+def test_projections_of_one_input_become_one_matmul_over_stacked_weights():
+    """q and k (not v, whose view would merge the stacked dimension) and the biased pair
+    become one linear each over stacked weights the context records; outputs hold."""
+    from rbcompile.passes import fuse_projections
+
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    gm = torch.export.export(_Projections().eval(), (x, y)).module()
+    for node in gm.graph.nodes:
+        node.meta[REGION] = 0
+    before = gm(x, y)
+    ctx = PassContext(family="decoder", input_names=("x", "y"), reference_inputs={},
+                      regions=[], fuse_projections=True)
+    (entry,) = run_pipeline(gm, ctx, [fuse_projections])
+    assert entry["stats"] == {"groups": 2, "matmuls_removed": 2}
+    assert ctx.concatenated == {"q_k_weight": ["q.weight", "k.weight"],
+                                "a_b_weight": ["a.weight", "b.weight"],
+                                "a_b_bias": ["a.bias", "b.bias"]}
+    linears = [n for n in compute_nodes(gm) if n.target is aten.linear.default]
+    assert sorted(n.args[1].target for n in linears) == ["a_b_weight", "alone.weight",
+                                                          "q_k_weight", "v.weight"]
+    for got, want in zip(gm(x, y), before, strict=True):
+        assert (got - want).abs().max().item() <= 1e-6

@@ -153,8 +153,9 @@ def test_inductor_plan_graphs_match_eager_in_the_artifact(tiny_checkpoints):
                    "inductor cannot compile the decoder's causal mask at dynamic shapes (a C++ "
                    "code generation error); the plan runs through the interpreter instead")
 def test_inductor_plan_graphs_keep_the_decoders_tokens(tiny_checkpoints):
-    """Prompts of two lengths: the second recompiles the plan at dynamic shapes."""
-    compiled = rbcompile.compile(tiny_checkpoints["llama"], kernels=True)
+    """Prompts of two lengths: the second recompiles the plan at dynamic shapes. Compiled as on
+    CUDA (kernels, stacked projections: inductor reads weights that are views of one stack)."""
+    compiled = rbcompile.compile(tiny_checkpoints["llama"], kernels=True, stack_projections=True)
     prompts = [torch.tensor([[1, 5, 9, 14, 22, 31]]), torch.tensor([[7, 3, 11, 2]])]
     tokens = [compiled.generate(prompt, max_new_tokens=6).tokens for prompt in prompts]
     compiled.compile_plans(max_plans=4)
