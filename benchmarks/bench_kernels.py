@@ -17,7 +17,8 @@ do_bench_cudagraph, back-to-back calls replayed from one CUDA graph, so no host 
 and no L2 flush (inputs that fit in L2 stay there); its speedup is against `reference+graph`.
 Where do_bench's times differ but the graph times agree, the difference is launch overhead.
 Decode-like shapes show it best: `--shapes 8x576,8x4096`. `rotary` reads HIDDEN as q's width:
-HIDDEN / 64 heads of 64, the [tokens, heads, 64] projection transposed as attention does.
+HIDDEN / 64 heads of 64, the [tokens, heads, 64] projection transposed as attention does;
+`rotary_pair` that q and a k of a third of its heads (GQA) in one launch.
 `GB/s` = bytes the op must read and write (inputs + outputs, once) / median time: these kernels
 are memory-bound, so it is the figure to hold against the device's bandwidth. `speedup` is the
 reference's median / the contender's. Rows are appended to `--csv` with device, versions, date.
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 KERNELS = ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu", "gelu_bias",
-           "gated_residual", "rotary")
+           "gated_residual", "rotary", "rotary_pair")
 ROTARY_HEAD_DIM = 64  # rotary: q of hidden / 64 heads (SmolLM2-135M: 9, Llama-3.2-1B: 32)
 DEFAULT_CSV = Path(__file__).parent / "results" / "bench_kernels.csv"
 CSV_FIELDS = ("date", "device", "torch", "triton", "kernel", "tokens", "hidden", "dtype", "impl",
@@ -91,12 +92,17 @@ def make_case(kernel, tokens, hidden, dtype, device):
         gate = (torch.arange(tokens, device=device) % 2).to(dtype)
         return (gated_residual.gated_residual_triton, gated_residual.gated_residual_reference,
                 (x, other, gate), 3 * act + gate.element_size() * tokens)
-    if kernel == "rotary":  # q as attention makes it: [1, tokens, heads, 64] transposed
-        heads = max(1, hidden // ROTARY_HEAD_DIM)
+    if kernel in ("rotary", "rotary_pair"):  # q as attention makes it: [1, tokens, heads, 64]
+        heads = max(1, hidden // ROTARY_HEAD_DIM)  # transposed
         q = rand(1, tokens, heads, ROTARY_HEAD_DIM).transpose(1, 2)
         cos, sin = rand(1, 1, tokens, ROTARY_HEAD_DIM), rand(1, 1, tokens, ROTARY_HEAD_DIM)
-        return (rotary.rotary_triton, rotary.rotary_reference, (q, cos, sin),
-                2 * q.numel() * q.element_size() + 2 * cos.numel() * cos.element_size())
+        angles = 2 * cos.numel() * cos.element_size()
+        if kernel == "rotary":
+            return (rotary.rotary_triton, rotary.rotary_reference, (q, cos, sin),
+                    2 * q.numel() * q.element_size() + angles)
+        k = rand(1, tokens, max(1, heads // 3), ROTARY_HEAD_DIM).transpose(1, 2)
+        return (rotary.rotary_pair_triton, rotary.rotary_pair_reference, (q, k, cos, sin),
+                2 * (q.numel() + k.numel()) * q.element_size() + angles)
     raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
 
 

@@ -13,6 +13,10 @@ cast (the reference rounds each product in the input dtype: up to one ulp apart 
 fp16). The output has x's layout (`empty_like`), as the reference's has: the compilers check a
 custom op's strides against its fake, the reference. Other ranks, an odd head dimension, other
 dtypes or devices, or `cos` / `sin` that widen `x` take the reference.
+
+`rotary_pair(q, k, cos, sin)` rotates q and k with the same tables in one launch (their tiles
+on two grid rows; Liger's rope does both alike), where `cos` / `sin` have one head to broadcast
+over both; else it takes the reference, `rotary` of each.
 """
 import torch
 
@@ -26,11 +30,17 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def rotary_pair_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
+
+
 if triton is not None:
-    @triton.jit(do_not_specialize=["n_rows", "heads", "tokens"])
-    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, half, heads, tokens,
-                       x_b, x_h, x_t, x_d, c_b, c_h, c_t, c_d, s_b, s_h, s_t, s_d,
-                       o_b, o_h, o_t, o_d, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, RTNE: tl.constexpr):
+    @triton.jit
+    def _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, half, heads, tokens,
+                x_b, x_h, x_t, x_d, c_b, c_h, c_t, c_d, s_b, s_h, s_t, s_d,
+                o_b, o_h, o_t, o_d, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                RTNE: tl.constexpr):
         row, col, mask = tile_offsets(n_rows, half, BLOCK_ROWS, BLOCK_N)
         row64 = row.to(tl.int64)
         t = row64 % tokens
@@ -52,20 +62,54 @@ if triton is not None:
         tl.store(out + lo * o_d, cast(x1 * c1 - x2 * s1, dtype, RTNE), mask=mask)
         tl.store(out + hi * o_d, cast(x2 * c2 + x1 * s2, dtype, RTNE), mask=mask)
 
+    @triton.jit(do_not_specialize=["n_rows", "heads", "tokens"])
+    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, half, heads, tokens,
+                       x_b, x_h, x_t, x_d, c_b, c_h, c_t, c_d, s_b, s_h, s_t, s_d,
+                       o_b, o_h, o_t, o_d, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       RTNE: tl.constexpr):
+        _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, half, heads, tokens,
+                x_b, x_h, x_t, x_d, c_b, c_h, c_t, c_d, s_b, s_h, s_t, s_d,
+                o_b, o_h, o_t, o_d, BLOCK_ROWS, BLOCK_N, RTNE)
+
+    @triton.jit(do_not_specialize=["q_rows", "k_rows", "q_heads", "k_heads", "tokens"])
+    def _rotary_pair_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_rows, k_rows,
+                            half, q_heads, k_heads, tokens,
+                            q_b, q_h, q_t, q_d, k_b, k_h, k_t, k_d, c_b, c_h, c_t, c_d,
+                            s_b, s_h, s_t, s_d, qo_b, qo_h, qo_t, qo_d, ko_b, ko_h, ko_t, ko_d,
+                            BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, RTNE: tl.constexpr):
+        """q's tiles on grid row 0, k's on row 1 (k's past its rows are masked off)."""
+        if tl.program_id(1) == 0:
+            _rotate(q_ptr, cos_ptr, sin_ptr, qo_ptr, q_rows, half, q_heads, tokens,
+                    q_b, q_h, q_t, q_d, c_b, c_h, c_t, c_d, s_b, s_h, s_t, s_d,
+                    qo_b, qo_h, qo_t, qo_d, BLOCK_ROWS, BLOCK_N, RTNE)
+        else:
+            _rotate(k_ptr, cos_ptr, sin_ptr, ko_ptr, k_rows, half, k_heads, tokens,
+                    k_b, k_h, k_t, k_d, c_b, c_h, c_t, c_d, s_b, s_h, s_t, s_d,
+                    ko_b, ko_h, ko_t, ko_d, BLOCK_ROWS, BLOCK_N, RTNE)
+
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the kernel computes `rotary_reference(x, cos, sin)` (else the reference runs)."""
+    return (x.dim() == 4 and cos.dim() == 4 and sin.dim() == 4 and x.shape[-1] % 2 == 0
+            and all(t.dtype in _FLOATS and t.device == x.device for t in (x, cos, sin))
+            and torch.broadcast_shapes(x.shape, cos.shape, sin.shape) == x.shape)
+
+
+def _output(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x's layout, as the reference's elementwise ops give it (and its fake, which the
+    compilers check strides against)."""
+    dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+    return torch.empty_like(x, dtype=dtype)
+
+
 def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if (x.dim() != 4 or cos.dim() != 4 or sin.dim() != 4 or x.shape[-1] % 2
-            or any(t.dtype not in _FLOATS or t.device != x.device for t in (x, cos, sin))
-            or torch.broadcast_shapes(x.shape, cos.shape, sin.shape) != x.shape):
+    if not _applies(x, cos, sin):
         return rotary_reference(x, cos, sin)
     cos, sin = cos.expand(x.shape), sin.expand(x.shape)  # broadcast dimensions: stride 0
-    # x's layout, as the reference's elementwise ops give it (and its fake, which the
-    # compilers check strides against)
-    out = torch.empty_like(x, dtype=torch.promote_types(torch.promote_types(x.dtype, cos.dtype),
-                                                        sin.dtype))
+    out = _output(x, cos, sin)
     batch, heads, tokens, width = x.shape
     n_rows, half = batch * heads * tokens, width // 2
     if n_rows and half:
@@ -77,4 +121,27 @@ def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return out
 
 
+def rotary_pair_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k in one launch; cos / sin must broadcast over heads (one head) for both."""
+    if (not (_applies(q, cos, sin) and _applies(k, cos, sin)) or cos.shape[1] != 1
+            or sin.shape[1] != 1 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]):
+        return rotary_pair_reference(q, k, cos, sin)
+    cos, sin = cos.expand(q.shape), sin.expand(q.shape)  # the same strides as over k's heads
+    q_out, k_out = _output(q, cos, sin), _output(k, cos, sin)
+    batch, q_heads, tokens, width = q.shape
+    k_heads, half = k.shape[1], width // 2
+    q_rows, k_rows = batch * q_heads * tokens, batch * k_heads * tokens
+    if q_rows and half:
+        block_rows, block_n, num_warps, (programs,) = tiles("rotary", max(q_rows, k_rows), half)
+        _rotary_pair_kernel[(programs, 2)](
+            q, k, cos, sin, q_out, k_out, q_rows, k_rows, half, q_heads, k_heads, tokens,
+            *q.stride(), *k.stride(), *cos.stride(), *sin.stride(), *q_out.stride(),
+            *k_out.stride(), BLOCK_ROWS=block_rows, BLOCK_N=block_n, RTNE=interpreting(),
+            num_warps=num_warps)
+    return q_out, k_out
+
+
 rotary = kernel_op("rotary", rotary_reference, cuda=rotary_triton if triton is not None else None)
+rotary_pair = kernel_op("rotary_pair", rotary_pair_reference,
+                        cuda=rotary_pair_triton if triton is not None else None)

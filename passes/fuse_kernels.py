@@ -15,7 +15,8 @@ Patterns, on ATen graphs from torch.export and from the torch.compile backend (a
 - `gelu(linear(x, W, b))` (erf or tanh) and the tanh formula of GPT-2's NewGELU, with its
   bias when the producing matmul has one -> `linear(x, W)` + `gelu_bias`;
 - rotary embedding `x * cos + cat(-x2, x1) * sin` (transformers' `apply_rotary_pos_emb`, per
-  q / k, partial rotary included) -> `rotary`.
+  q / k, partial rotary included) -> `rotary`; two of them with one `cos` / `sin` in one region
+  (q's and k's) -> `rotary_pair` (one launch).
 Norms and activations left as they were (a form no pattern matches: Gemma's `(1 + w)` RMSNorm)
 are counted in the pass log ("left unfused: ...").
 """
@@ -256,6 +257,30 @@ class _Fuser:
                 if match:
                     self.gelu(node, match[0], "tanh", match[1])
 
+    def pair_rotaries(self) -> None:
+        """Each layer's two rotaries of one `cos` / `sin` in one region (q's, then k's) -> one
+        `rotary_pair`: where the second is, when nothing reads the first before it, else where
+        the first is, when the second's input is there already (a partial rotary's slice)."""
+        order = {node: i for i, node in enumerate(self.gm.graph.nodes)}
+        waiting: dict[tuple, Node] = {}
+        for node in list(self.gm.graph.nodes):
+            if node.op != "call_function" or node.target is not ops.rotary.default:
+                continue
+            key = (*node.args[1:3], node.meta.get(REGION))
+            first = waiting.pop(key, None)
+            anchor = None
+            if first is not None:
+                if all(order.get(user, -1) > order[node] for user in first.users):
+                    anchor = node
+                elif order.get(node.args[0], len(order)) < order[first]:
+                    anchor = first
+            if anchor is None:
+                waiting[key] = node
+            else:
+                self.replace("rotary_pair", anchor, ops.rotary_pair.default,
+                             (first.args[0], node.args[0], *node.args[1:3]), [first, node],
+                             [first, node])
+
     def gelu(self, anchor: Node, x: Node, approximate: str, pattern: list[Node]) -> None:
         if not self.same_region(pattern):
             return
@@ -304,6 +329,7 @@ def fuse_kernels(gm: GraphModule, ctx: PassContext) -> PassReport:
         return PassReport(False, "off (fused kernels not requested)")
     fuser = _Fuser(gm)
     fuser.run()
+    fuser.pair_rotaries()
     gm.graph.eliminate_dead_code()  # casts the fused ops now do themselves
     gm.graph.lint()
     gm.recompile()

@@ -264,6 +264,7 @@ def test_fusion_recognises_the_norms_and_activations_or_says_what_it_left(model_
     (entry,) = [p for p in ctx.history if p["pass"] == "fuse_kernels"]
     stats = entry["stats"]
     assert stats.get("rotary") == 4, entry["summary"]  # q and k of 2 layers
+    assert stats.get("rotary_pair") == 2, entry["summary"]  # each layer's in one op
     if model_type.startswith("gemma"):
         assert stats.get("gelu") == 2 and "rms_norm" not in stats
         norms = 4 * 2 + 1 + (4 if model_type == "gemma3_text" else 0)  # + Gemma 3's q/k norms

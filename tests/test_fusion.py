@@ -9,8 +9,9 @@ from conftest import TINY_VOCAB, eager_outputs, make_tiny_model, max_diff
 # arch -> (ops the pass must add, ops it must remove entirely)
 EXPECTED = {
     "llama": ({"rbcompile.rms_norm.default", "rbcompile.swiglu.default",
-               "rbcompile.rotary.default"},
-              {"aten.rsqrt.default", "aten.silu.default", "aten.neg.default"}),
+               "rbcompile.rotary_pair.default"},  # q's and k's rotary in one op
+              {"aten.rsqrt.default", "aten.silu.default", "aten.neg.default",
+               "rbcompile.rotary.default"}),
     "gpt2": ({"rbcompile.layer_norm.default", "rbcompile.gelu_bias.default"},
              {"aten.layer_norm.default", "aten.tanh.default", "aten.pow.Tensor_Scalar"}),
     "bert": ({"rbcompile.add_layer_norm.default", "rbcompile.gelu_bias.default"},
@@ -97,6 +98,7 @@ def test_backend_with_kernels_matches_eager():
     (fused,) = [p for p in graph.passes if p["pass"] == "fuse_kernels"]
     assert fused["stats"].get("rms_norm", 0) >= 8 and fused["stats"].get("swiglu") == 4
     assert fused["stats"].get("rotary") == 8  # q and k of 4 layers, on aot_autograd's graph too
+    assert fused["stats"].get("rotary_pair") == 4
     torch._dynamo.reset()
 
 
@@ -140,12 +142,13 @@ def test_calibrated_width_levels_are_fused_too(tiny_checkpoints, calib_file):
 
 def test_the_kv_cached_decoder_is_fused_and_generates_hf_tokens(fused_tiny):
     """The decoder graph (prefill and decode steps with a static cache) gets the same kernels:
-    its rotary embeddings, norms and SwiGLU fused; greedy tokens equal transformers'."""
+    its rotary embeddings (q's and k's in one op), norms and SwiGLU fused; greedy tokens equal
+    transformers'."""
     from test_decoder import PROMPTS, _hf_new_tokens
 
     compiled, eager = fused_tiny["llama"]
     ops = {node[1] for node in compiled.decoder.ir["nodes"]}
-    assert {"rbcompile.rotary.default", "rbcompile.swiglu.default"} <= ops
+    assert {"rbcompile.rotary_pair.default", "rbcompile.swiglu.default"} <= ops
     assert not ops & {"aten.neg.default", "aten.rsqrt.default", "aten.silu.default"}
     mask = (PROMPTS != 0).long()
     assert (compiled.generate(PROMPTS, mask, max_new_tokens=8).tokens
@@ -154,7 +157,8 @@ def test_the_kv_cached_decoder_is_fused_and_generates_hf_tokens(fused_tiny):
 
 def test_a_partial_rotary_is_fused_and_matches_eager():
     """Phi-3 with `partial_rotary_factor=0.5` rotates a slice of each head (and concatenates
-    the rest back): the slice's rotary is fused, the full path still equals eager."""
+    the rest back): the slices' rotaries are fused (q's and k's in one op), the full path still
+    equals eager."""
     from test_architectures import _extra_config
     from transformers import AutoModelForCausalLM
 
@@ -164,7 +168,7 @@ def test_a_partial_rotary_is_fused_and_matches_eager():
     eager = AutoModelForCausalLM.from_config(config).eval()
     assert eager.model.rotary_emb.inv_freq.numel() * 4 == config.hidden_size // config.num_attention_heads
     compiled = rbcompile.compile(eager, kernels=True)
-    assert "rbcompile.rotary.default" in _ops(compiled)
-    assert "aten.neg.default" not in _ops(compiled)
+    assert "rbcompile.rotary_pair.default" in _ops(compiled)
+    assert not {"aten.neg.default", "rbcompile.rotary.default"} & _ops(compiled)
     ids, mask = _inputs()
     assert max_diff(compiled(ids, mask), eager_outputs(eager, ids, mask)) <= 1e-5

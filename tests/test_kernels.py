@@ -89,6 +89,13 @@ def test_triton_matches_reference(shape, dtype):
 ROTARY_SHAPES = [(1, 9, 1, 64), (2, 3, 37, 64), (3, 4, 5, 6), (1, 2, 7, 128)]  # [B, H, T, D]
 
 
+def _same_layout(got, want) -> None:
+    """The reference's layout (what inductor asserts of a custom op's output), on the
+    dimensions where strides mean something."""
+    assert [st for n, st in zip(got.shape, got.stride()) if n > 1] == [
+        st for n, st in zip(want.shape, want.stride()) if n > 1], (got.stride(), want.stride())
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -106,13 +113,42 @@ def test_rotary_matches_reference(shape, dtype):
         got, want = rotary.rotary_triton(x, cos, sin), rotary.rotary_reference(x, cos, sin)
         try:
             close(got, want, dtype)
-            # the reference's layout (what inductor asserts of a custom op's output), on the
-            # dimensions where strides mean something
-            assert [st for n, st in zip(got.shape, got.stride()) if n > 1] == [
-                st for n, st in zip(want.shape, want.stride()) if n > 1], (got.stride(),
-                                                                         want.stride())
+            _same_layout(got, want)
         except AssertionError as error:
             raise AssertionError(f"{label}: {error}") from None
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rotary_pair_matches_reference(shape, dtype):
+    """q and k in one launch, as attention makes them (transposed projections): k with fewer
+    heads (GQA) and with more; each output as the reference's, in its layout."""
+    batch, heads, tokens, width = shape
+    q = rand((batch, tokens, heads, width), dtype, 0).transpose(1, 2)
+    cos = rand((batch, 1, tokens, width), dtype, 1)
+    sin = rand((1, 1, tokens, width), dtype, 2)
+    for k_heads in (max(1, heads // 3), heads + 2):
+        k = rand((batch, tokens, k_heads, width), dtype, 3).transpose(1, 2)
+        got = rotary.rotary_pair_triton(q, k, cos, sin)
+        for label, g, w in zip("qk", got, rotary.rotary_pair_reference(q, k, cos, sin)):
+            try:
+                close(g, w, dtype)
+                _same_layout(g, w)
+            except AssertionError as error:
+                raise AssertionError(f"{label} with {k_heads} k heads: {error}") from None
+
+
+@needs_triton
+def test_rotary_pair_takes_the_reference_where_the_kernel_does_not_apply():
+    q, k, cos, sin = (rand((2, 3, 4, 8), torch.float32, seed) for seed in range(4))
+    for args in ((q, k, cos, sin),                                # cos / sin per head
+                 (q, k[..., :6], cos[:, :1, :, :1], sin[:, :1, :, :1]),  # another head dim
+                 (q, k[:1], cos[:, :1], sin[:, :1]),              # another batch
+                 (q[0], k[0], cos[0, :1], sin[0, :1])):           # 3-D
+        for got, want in zip(rotary.rotary_pair_triton(*args),
+                             rotary.rotary_pair_reference(*args), strict=True):
+            assert torch.equal(got, want)
 
 
 @needs_triton
@@ -245,11 +281,12 @@ class AllOps(torch.nn.Module):
         h = ops.swiglu.default(h, residual)
         h = ops.gelu_bias.default(h, self.b, "tanh")
         h = ops.rotary.default(h, self.cos, self.sin)
+        h, residual = ops.rotary_pair.default(h, residual, self.cos, self.sin)
         return ops.gated_residual.default(residual, h, gate), residual
 
 
 ALL_OP_NAMES = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu", "gelu_bias",
-                "rotary", "gated_residual"}
+                "rotary", "rotary_pair", "gated_residual"}
 
 
 def all_ops_inputs():
@@ -341,6 +378,11 @@ for dt in ("bf16", "fp32"):
     jobs.append((rotary._rotary_kernel,
                  dict(x_ptr=P, cos_ptr=P, sin_ptr=P, out_ptr=P, n_rows=I, half=I, heads=I,
                       tokens=I, **{f"{t}_{d}": I for t in "xcso" for d in "bhtd"}), tile))
+    jobs.append((rotary._rotary_pair_kernel,
+                 dict(q_ptr=P, k_ptr=P, cos_ptr=P, sin_ptr=P, qo_ptr=P, ko_ptr=P, q_rows=I,
+                      k_rows=I, half=I, q_heads=I, k_heads=I, tokens=I,
+                      **{f"{t}_{d}": I for t in ("q", "k", "c", "s", "qo", "ko") for d in "bhtd"}),
+                 tile))
     for tanh in (False, True):
         jobs.append((gelu._gelu_bias_kernel, dict(x_ptr=P, b_ptr=P, out_ptr=P, n_rows=I, n_cols=I,
                                                   x_stride=I), dict(HAS_BIAS=True, TANH=tanh, **tile)))
@@ -366,4 +408,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     if out.stdout.startswith("API"):
         pytest.skip(f"Triton's ASTSource API differs: {out.stdout}")
-    assert out.stdout.count("compiled") == 14, out.stdout
+    assert out.stdout.count("compiled") == 16, out.stdout
