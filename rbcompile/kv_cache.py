@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .region_cache import tensor_bytes
+
 
 @dataclass(frozen=True)
 class DecoderShape:
@@ -71,10 +73,6 @@ def zeros(count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Te
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
 
 
-def _bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
 class CachePool:
     """K/V tensors kept between generations (gpt-fast allocates its cache once). A CUDA graph
     of a decoder step reads the cache where it is and is keyed by its address, so a generation
@@ -118,7 +116,7 @@ class CachePool:
         with self._lock:
             self._waiting.append(((len(tensors), tuple(first.shape), first.dtype, first.device),
                                   tensors))
-            sizes = [_bytes(waiting) for _, waiting in self._waiting]
+            sizes = [tensor_bytes(waiting) for _, waiting in self._waiting]
             while sum(sizes) > self.max_share * max(sizes):
                 del self._waiting[0], sizes[0]
 

@@ -7,6 +7,11 @@ from collections import OrderedDict
 import torch
 
 
+def tensor_bytes(values) -> int:
+    """Bytes the tensors among `values` hold."""
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
+
+
 def _key_part(value):
     if isinstance(value, torch.Tensor):
         data = value.detach().contiguous().cpu().numpy().tobytes()
@@ -41,7 +46,7 @@ class RegionCache:
         self.misses += 1
         result = compute(*inputs)
         result = result if isinstance(result, tuple) else (result,)
-        size = sum(t.numel() * t.element_size() for t in result if isinstance(t, torch.Tensor))
+        size = tensor_bytes(result)
         if size <= self.max_bytes:
             self._entries[key] = result
             self._sizes[key] = size
