@@ -18,7 +18,8 @@ and no L2 flush (inputs that fit in L2 stay there); its speedup is against `refe
 Where do_bench's times differ but the graph times agree, the difference is launch overhead.
 Decode-like shapes show it best: `--shapes 8x576,8x4096`. `rotary` reads HIDDEN as q's width:
 HIDDEN / 64 heads of 64, the [tokens, heads, 64] projection transposed as attention does;
-`rotary_pair` that q and a k of a third of its heads (GQA) in one launch.
+`rotary_pair` that q and a k of a third of its heads (GQA) in one launch; `write_kv` a k and a
+v of that k's shape into caches 64 slots longer, at tokens 32 on.
 `GB/s` = bytes the op must read and write (inputs + outputs, once) / median time: these kernels
 are memory-bound, so it is the figure to hold against the device's bandwidth. `speedup` is the
 reference's median / the contender's. Rows are appended to `--csv` with device, versions, date.
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 KERNELS = ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu", "gelu_bias",
-           "gated_residual", "rotary", "rotary_pair")
+           "gated_residual", "rotary", "rotary_pair", "write_kv")
 ROTARY_HEAD_DIM = 64  # rotary: q of hidden / 64 heads (SmolLM2-135M: 9, Llama-3.2-1B: 32)
 DEFAULT_CSV = Path(__file__).parent / "results" / "bench_kernels.csv"
 CSV_FIELDS = ("date", "device", "torch", "triton", "kernel", "tokens", "hidden", "dtype", "impl",
@@ -63,7 +64,7 @@ def make_case(kernel, tokens, hidden, dtype, device):
     """(launcher, reference, args, bytes moved) for `kernel` at tokens x hidden."""
     import torch
 
-    from rbcompile.kernels import gated_residual, gelu, layer_norm, rms_norm, rotary, swiglu
+    from rbcompile.kernels import gated_residual, gelu, layer_norm, rms_norm, rotary, swiglu, write_kv
 
     generator = torch.Generator(device=device).manual_seed(0)
 
@@ -103,6 +104,14 @@ def make_case(kernel, tokens, hidden, dtype, device):
         k = rand(1, tokens, max(1, heads // 3), ROTARY_HEAD_DIM).transpose(1, 2)
         return (rotary.rotary_pair_triton, rotary.rotary_pair_reference, (q, k, cos, sin),
                 2 * (q.numel() + k.numel()) * q.element_size() + angles)
+    if kernel == "write_kv":  # one layer's step: k / v [1, kv heads, tokens, 64] into caches
+        heads = max(1, hidden // ROTARY_HEAD_DIM // 3)
+        k, v = rand(1, heads, tokens, ROTARY_HEAD_DIM), rand(1, tokens, heads, ROTARY_HEAD_DIM)
+        caches = [rand(1, heads, tokens + 64, ROTARY_HEAD_DIM) for _ in range(2)]
+        positions = torch.arange(32, 32 + tokens, device=device)
+        return (write_kv.write_kv_triton, write_kv.write_kv_reference,
+                (*caches, positions, k, v.transpose(1, 2)),
+                4 * k.numel() * k.element_size() + positions.numel() * positions.element_size())
     raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
 
 

@@ -13,9 +13,10 @@ import torch
 REFERENCES = types.SimpleNamespace()
 
 
-def kernel_op(name: str, reference, cuda=None):
-    """Register `reference` (type-annotated, returns new tensors) as `rbcompile::<name>`."""
-    op = torch.library.custom_op(f"rbcompile::{name}", reference, mutates_args=())
+def kernel_op(name: str, reference, cuda=None, mutates_args: tuple[str, ...] = ()):
+    """Register `reference` (type-annotated; returns new tensors, or changes the arguments
+    `mutates_args` names in place and returns None) as `rbcompile::<name>`."""
+    op = torch.library.custom_op(f"rbcompile::{name}", reference, mutates_args=mutates_args)
     op.register_fake(reference)
     if cuda is not None:
         op.register_kernel("cuda", cuda)

@@ -16,7 +16,9 @@ Patterns, on ATen graphs from torch.export and from the torch.compile backend (a
   bias when the producing matmul has one -> `linear(x, W)` + `gelu_bias`;
 - rotary embedding `x * cos + cat(-x2, x1) * sin` (transformers' `apply_rotary_pos_emb`, per
   q / k, partial rotary included) -> `rotary`; two of them with one `cos` / `sin` in one region
-  (q's and k's) -> `rotary_pair` (one launch).
+  (q's and k's) -> `rotary_pair` (one launch);
+- a static cache's K and V writes (`index_copy_` at one position into two graph inputs, one
+  region: the KV-cached decoder) -> `write_kv`; what read the writes' results reads the caches.
 Norms and activations left as they were (a form no pattern matches: Gemma's `(1 + w)` RMSNorm)
 are counted in the pass log ("left unfused: ...").
 """
@@ -281,6 +283,34 @@ class _Fuser:
                              (first.args[0], node.args[0], *node.args[1:3]), [first, node],
                              [first, node])
 
+    def pair_cache_writes(self) -> None:
+        """Each layer's K and V cache writes (`index_copy_` of one `cache_position` into two
+        graph inputs, in one region) -> one `write_kv` where the second is, when nothing reads
+        the first's result before it; readers of the results then read the caches, after it."""
+        graph = self.gm.graph
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        waiting: dict[tuple, Node] = {}
+        for node in list(graph.nodes):
+            if not (_call(node, aten.index_copy_.default, 4) and node.args[1] == 2
+                    and node.args[0].op == "placeholder"):
+                continue
+            key = (node.args[2], node.meta.get(REGION))
+            first = waiting.pop(key, None)
+            if first is None or first.args[0] is node.args[0] or any(
+                    order.get(user, -1) < order[node] for user in first.users):
+                waiting[key] = node
+                continue
+            with graph.inserting_before(node):
+                fused = graph.call_function(ops.write_kv.default, (
+                    first.args[0], node.args[0], node.args[2], first.args[3], node.args[3]))
+            fused.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            for write in (first, node):
+                write.replace_all_uses_with(write.args[0])
+                self.renamed[write.name] = write.args[0].name
+                graph.erase_node(write)
+                self.erased.add(write)
+            self.counts["write_kv"] += 1
+
     def gelu(self, anchor: Node, x: Node, approximate: str, pattern: list[Node]) -> None:
         if not self.same_region(pattern):
             return
@@ -330,6 +360,7 @@ def fuse_kernels(gm: GraphModule, ctx: PassContext) -> PassReport:
     fuser = _Fuser(gm)
     fuser.run()
     fuser.pair_rotaries()
+    fuser.pair_cache_writes()
     gm.graph.eliminate_dead_code()  # casts the fused ops now do themselves
     gm.graph.lint()
     gm.recompile()

@@ -142,14 +142,16 @@ def test_calibrated_width_levels_are_fused_too(tiny_checkpoints, calib_file):
 
 def test_the_kv_cached_decoder_is_fused_and_generates_hf_tokens(fused_tiny):
     """The decoder graph (prefill and decode steps with a static cache) gets the same kernels:
-    its rotary embeddings (q's and k's in one op), norms and SwiGLU fused; greedy tokens equal
-    transformers'."""
+    its rotary embeddings (q's and k's in one op), norms and SwiGLU fused, each layer's K and V
+    cache writes one op; greedy tokens equal transformers'."""
     from test_decoder import PROMPTS, _hf_new_tokens
 
     compiled, eager = fused_tiny["llama"]
-    ops = {node[1] for node in compiled.decoder.ir["nodes"]}
-    assert {"rbcompile.rotary_pair.default", "rbcompile.swiglu.default"} <= ops
-    assert not ops & {"aten.neg.default", "aten.rsqrt.default", "aten.silu.default"}
+    ops = [node[1] for node in compiled.decoder.ir["nodes"]]
+    assert {"rbcompile.rotary_pair.default", "rbcompile.swiglu.default"} <= set(ops)
+    assert not set(ops) & {"aten.neg.default", "aten.rsqrt.default", "aten.silu.default",
+                           "aten.index_copy_.default"}
+    assert ops.count("rbcompile.write_kv.default") == compiled.decoder.shape.layers
     mask = (PROMPTS != 0).long()
     assert (compiled.generate(PROMPTS, mask, max_new_tokens=8).tokens
             == _hf_new_tokens(eager, PROMPTS, mask, 8))

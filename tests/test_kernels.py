@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rbcompile.kernels import OPS, REFERENCES, _triton, configs, gated_residual, gelu
-from rbcompile.kernels import layer_norm, rms_norm, rotary, swiglu
+from rbcompile.kernels import layer_norm, rms_norm, rotary, swiglu, write_kv
 
 needs_triton = pytest.mark.skipif(not _triton.AVAILABLE, reason="triton not installed")
 if _triton.AVAILABLE and not _triton.interpreting() and not torch.cuda.is_available():
@@ -160,6 +160,44 @@ def test_rotary_takes_the_reference_where_the_kernel_does_not_apply():
                  (x4.bfloat16(), cos[0, 0, 0, 0], sin[0, 0, 0, 0]),  # 0-dim angles: bf16 out
                  (x4.double(), cos.double(), sin.double())):   # a dtype the kernel lacks
         assert torch.equal(rotary.rotary_triton(*args), rotary.rotary_reference(*args))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_write_kv_matches_reference(shape, dtype):
+    """k / v as attention makes them (transposed projections; k a rotary's contiguous output)
+    into caches of more slots, at slots in any order: the caches equal the reference's."""
+    batch, heads, tokens, width = shape
+    slots = tokens + 5
+    k = rand((batch, heads, tokens, width), dtype, 0)
+    v = rand((batch, tokens, heads, width), dtype, 1).transpose(1, 2)
+    positions = torch.randperm(slots, generator=torch.Generator().manual_seed(2))[:tokens]
+    caches = [rand((batch, heads, slots, width), dtype, seed) for seed in (3, 4)]
+    want = [cache.clone() for cache in caches]
+    write_kv.write_kv_triton(*caches, positions.to(DEVICE), k, v)
+    write_kv.write_kv_reference(*want, positions.to(DEVICE), k, v)
+    for got, expected in zip(caches, want, strict=True):
+        assert torch.equal(got, expected)
+
+
+@needs_triton
+def test_write_kv_takes_the_reference_where_the_kernel_does_not_apply():
+    k, v = (rand((2, 3, 4, 8), torch.float32, seed) for seed in range(2))
+    positions = torch.tensor([5, 1, 2, 0], device=DEVICE)
+    for args in ((k, v[..., :6], positions),           # k and v of other shapes
+                 (k[0], v[0], positions),              # 3-D
+                 (k, v, positions.double())):          # positions not integers
+        caches = [rand((2, 3, 6, 8), torch.float32, seed) for seed in (3, 4)]
+        want = [cache.clone() for cache in caches]
+        try:
+            write_kv.write_kv_reference(*want, args[2], *args[:2])
+        except (RuntimeError, IndexError) as error:  # the reference refuses it: so must it
+            with pytest.raises(type(error)):
+                write_kv.write_kv_triton(*caches, args[2], *args[:2])
+            continue
+        write_kv.write_kv_triton(*caches, args[2], *args[:2])
+        assert all(torch.equal(got, expected) for got, expected in zip(caches, want))
 
 
 TABLE_WIDTHS = [384, 576, 768, 2048, 4096, 1000]  # the table's, and one the heuristic serves
@@ -356,7 +394,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rbcompile.kernels import gated_residual, gelu, layer_norm, rms_norm, rotary, swiglu
+from rbcompile.kernels import gated_residual, gelu, layer_norm, rms_norm, rotary, swiglu, write_kv
 
 def source(fn, types, consts):
     names = fn.arg_names
@@ -383,6 +421,11 @@ for dt in ("bf16", "fp32"):
                       k_rows=I, half=I, q_heads=I, k_heads=I, tokens=I,
                       **{f"{t}_{d}": I for t in ("q", "k", "c", "s", "qo", "ko") for d in "bhtd"}),
                  tile))
+    jobs.append((write_kv._write_kv_kernel,
+                 dict(k_ptr=P, v_ptr=P, kc_ptr=P, vc_ptr=P, pos_ptr="*i64", n_rows=I, width=I,
+                      heads=I, tokens=I, **{f"{t}_{d}": I for t in ("k", "v") for d in "bhtd"},
+                      **{f"{t}_{d}": I for t in ("kc", "vc") for d in "bhsd"}),
+                 dict(BLOCK_ROWS=4, BLOCK_N=64)))
     for tanh in (False, True):
         jobs.append((gelu._gelu_bias_kernel, dict(x_ptr=P, b_ptr=P, out_ptr=P, n_rows=I, n_cols=I,
                                                   x_stride=I), dict(HAS_BIAS=True, TANH=tanh, **tile)))
@@ -408,4 +451,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     if out.stdout.startswith("API"):
         pytest.skip(f"Triton's ASTSource API differs: {out.stdout}")
-    assert out.stdout.count("compiled") == 16, out.stdout
+    assert out.stdout.count("compiled") == 18, out.stdout
