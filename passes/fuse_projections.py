@@ -23,7 +23,7 @@ fused nodes keep the region, kind and unit of the projections they replace.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 from torch.fx import GraphModule, Node
@@ -86,6 +86,11 @@ def _stacked_key(targets: list[str]) -> str | None:
     return f"{parent}{'.' if parent else ''}{'_'.join(p[1] for p in parts)}_{attr}"
 
 
+def _taken(gm: GraphModule, key: str) -> bool:
+    parent, _, name = key.rpartition(".")
+    return hasattr(gm.get_submodule(parent), name)
+
+
 def _stack(gm: GraphModule, anchor: Node, nodes: list[Node], key: str) -> Node:
     """A get_attr of the rows of `nodes`' constants stacked, registered under `key`."""
     parent, _, name = key.rpartition(".")
@@ -100,9 +105,8 @@ def _fuse(gm: GraphModule, linears: list[Node], ctx: PassContext) -> bool:
     biases = [linear.args[2] if len(linear.args) > 2 else None for linear in linears]
     keys = [_stacked_key([n.target for n in weights]),
             _stacked_key([n.target for n in biases]) if biases[0] is not None else None]
-    if keys[0] is None or (biases[0] is not None and keys[1] is None) or any(
-            key is not None and hasattr(gm.get_submodule(key.rpartition(".")[0]),
-                                        key.rpartition(".")[2]) for key in keys):
+    if (keys[0] is None or (biases[0] is not None and keys[1] is None)
+            or any(key is not None and _taken(gm, key) for key in keys)):
         return False
     graph, first = gm.graph, linears[0]
     stacked = [_stack(gm, first, weights, keys[0])]
@@ -150,7 +154,9 @@ def fuse_projections(gm: GraphModule, ctx: PassContext) -> PassReport:
     fused = [linears for linears in groups.values() if len(linears) > 1 and _fuse(gm, linears, ctx)]
     gm.graph.lint()
     gm.recompile()
-    sizes = ", ".join(f"{len(linears)}" for linears in fused)
+    sizes = Counter(len(linears) for linears in fused)
     removed = sum(len(linears) - 1 for linears in fused)
-    return PassReport(bool(fused), f"stacked {len(fused)} groups of projections ({sizes or 'none'}):"
-                      f" {removed} fewer matmuls", {"groups": len(fused), "matmuls_removed": removed})
+    detail = ", ".join(f"{count} of {size}" for size, count in sorted(sizes.items()))
+    return PassReport(bool(fused), f"stacked {len(fused)} groups of projections "
+                      f"({detail or 'none found'}): {removed} fewer matmuls",
+                      {"groups": len(fused), "matmuls_removed": removed})
