@@ -89,11 +89,15 @@ def test_triton_matches_reference(shape, dtype):
 ROTARY_SHAPES = [(1, 9, 1, 64), (2, 3, 37, 64), (3, 4, 5, 6), (1, 2, 7, 128)]  # [B, H, T, D]
 
 
-def _same_layout(got, want) -> None:
-    """The reference's layout (what inductor asserts of a custom op's output), on the
-    dimensions where strides mean something."""
-    assert [st for n, st in zip(got.shape, got.stride()) if n > 1] == [
-        st for n, st in zip(want.shape, want.stride()) if n > 1], (got.stride(), want.stride())
+def _matches_with_layout(got, want, dtype, label: str) -> None:
+    """`got` close to the reference's `want`, in its layout (what inductor asserts of a custom
+    op's output) on the dimensions where strides mean something; failures name `label`."""
+    try:
+        close(got, want, dtype)
+        assert [st for n, st in zip(got.shape, got.stride()) if n > 1] == [
+            st for n, st in zip(want.shape, want.stride()) if n > 1], (got.stride(), want.stride())
+    except AssertionError as error:
+        raise AssertionError(f"{label}: {error}") from None
 
 
 @needs_triton
@@ -110,12 +114,8 @@ def test_rotary_matches_reference(shape, dtype):
                                  ("partial", partial, batch)):
         cos = rand((angle_rows, 1, tokens, width), dtype, 1)
         sin = rand((angle_rows, 1, tokens, width), dtype, 2)
-        got, want = rotary.rotary_triton(x, cos, sin), rotary.rotary_reference(x, cos, sin)
-        try:
-            close(got, want, dtype)
-            _same_layout(got, want)
-        except AssertionError as error:
-            raise AssertionError(f"{label}: {error}") from None
+        _matches_with_layout(rotary.rotary_triton(x, cos, sin),
+                             rotary.rotary_reference(x, cos, sin), dtype, label)
 
 
 @needs_triton
@@ -132,11 +132,7 @@ def test_rotary_pair_matches_reference(shape, dtype):
         k = rand((batch, tokens, k_heads, width), dtype, 3).transpose(1, 2)
         got = rotary.rotary_pair_triton(q, k, cos, sin)
         for label, g, w in zip("qk", got, rotary.rotary_pair_reference(q, k, cos, sin)):
-            try:
-                close(g, w, dtype)
-                _same_layout(g, w)
-            except AssertionError as error:
-                raise AssertionError(f"{label} with {k_heads} k heads: {error}") from None
+            _matches_with_layout(g, w, dtype, f"{label} with {k_heads} k heads")
 
 
 @needs_triton
