@@ -11,8 +11,9 @@ at a budget is reported as agreement with the full path, not as task quality):
   static KV cache (tokens/s); `inductor-ro` is transformers' own compile of the forward
   (mode reduce-overhead, its default on CUDA with a static cache), the others disable it;
   `rbc-generate` is the artifact's own KV-cached decoder (CompiledModel.generate, a CUDA graph
-  per decode step and plan; budgets skip MLPs; q / k / v and gate / up stacked, the CUDA
-  default), `rbc-generate-unstacked` the same without stacked projections;
+  per decode step and plan; budgets skip MLPs; compiled with the CUDA defaults: rbcompile's
+  kernels, q / k / v and gate / up stacked), `rbc-generate-unstacked` the same without stacked
+  projections;
 - `llama1b`: a Llama-3.2-1B-sized model in bf16, prefill 4 x 1024 (logits).
 
 Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`), `inductor-ro` (mode reduce-overhead: inductor + CUDA graphs),

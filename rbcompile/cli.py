@@ -122,9 +122,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="with --calib: narrower widths each region may run at (default 0.75,0.5)")
     p.add_argument("--width-floor", type=float, default=0.5,
                    help="fewest heads / channels a width level may keep (default 0.5)")
-    p.add_argument("--kernels", action="store_true",
-                   help="fuse norms and activations into rbcompile's kernels (Triton on CUDA; "
-                   "default off: on CPU they run their PyTorch references)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="fuse norms, activations, rotaries and cache writes into rbcompile's "
+                   "kernels (Triton on CUDA; default: on with --device cuda, off on cpu, where "
+                   "they run their PyTorch references)")
     p.add_argument("--stack-projections", action=argparse.BooleanOptionalAction, default=None,
                    help="the KV-cached decoder computes q/k/v and gate/up as one matmul each "
                    "(default: on with --device cuda, off on cpu, where it measured no faster)")

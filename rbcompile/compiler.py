@@ -269,14 +269,16 @@ def _load(model_or_path, calib, device, dtype):
 def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                   calib_samples: int | None = None, calib_seq: int | None = None,
                   width_levels=DEFAULT_LEVELS, width_floor: float = 0.5, calib_head=None,
-                  kernels: bool = False, device=None, dtype=None, calib_budgets=None,
+                  kernels: bool | None = None, device=None, dtype=None, calib_budgets=None,
                   stack_projections: bool | None = None):
     """Compile a bundled model name, a checkpoint folder or a loaded transformers model;
     with `calib` (a text source), also calibrate importance and budget plans; with `kernels`,
-    fuse norms and activations into rbcompile's kernels (passes/fuse_kernels.py);
-    `stack_projections`: the KV-cached decoder computes q / k / v and gate / up as one matmul
-    each (passes/fuse_projections.py; default: on CUDA, where it saves kernel launches; on CPU
-    it measured no faster, `benchmarks/bench_decode_step.py`).
+    fuse norms, activations, rotaries and cache writes into rbcompile's kernels
+    (passes/fuse_kernels.py; default: where the model is on CUDA, as the torch.compile backend
+    does; on CPU they run their PyTorch references); `stack_projections`: the KV-cached decoder
+    computes q / k / v and gate / up as one matmul each (passes/fuse_projections.py; default:
+    on CUDA, where it saves kernel launches; on CPU it measured no faster,
+    `benchmarks/bench_decode_step.py`).
     `calib_budgets`: the budgets plans are made for (default calibrate.BUDGET_GRID, 0.05 to
     0.5); the greedy search stops at the largest.
 
@@ -292,6 +294,9 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     device, dtype = parse_device(device), parse_dtype(dtype)
     model, checkpoint, source, tokenizer = _load(model_or_path, calib, device, dtype)
     model_device, model_dtype = model_placement(model)
+    on_cuda = model_device.type == "cuda"
+    kernels = on_cuda if kernels is None else kernels
+    stack_projections = on_cuda if stack_projections is None else stack_projections
     architecture = lookup(model.config)
     dims = architecture.dimensions(model.config)
     arch = architecture_summary(model)
@@ -332,8 +337,6 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
         ir["variants"] = width_variants(model, ir, weights, ctx, calibration.levels)
     title = f"{source['name']} ({arch['class']}, rbcompile {__version__})"
     source_code, module = build_module(ir, weights, title)
-    if stack_projections is None:
-        stack_projections = model_device.type == "cuda"
     decoder = (build_decoder(model, architecture, dims, module, weights, title, kernels,
                              stack_projections)
                if architecture.family == DECODER else None)

@@ -58,19 +58,22 @@ def _stacks(compiled) -> dict:
 
 def test_the_decoder_stacks_projections_the_main_module_reads_as_views(
         tiny_checkpoints, calib_file, monkeypatch, tmp_path):
-    """With `stack_projections` (the default on CUDA), q / k / v and gate / up are one matmul
-    each in the decoder (4 per layer, not 7), and a calibrated one (permuted weights, width
-    levels) still generates HF's tokens; the stacks are made at load from the parts the
+    """Compiled as on CUDA (`--kernels --stack-projections`), q / k / v and gate / up are one
+    matmul each in the decoder (4 per layer, not 7), and a calibrated one (permuted weights,
+    width levels) still generates HF's tokens; the stacks are made at load from the parts the
     artifact stores, and the main module's parts are views of them (the weights are held
     once), also after `to(device)`."""
     from safetensors import safe_open
 
+    from rbcompile.cli import main
     from rbcompile.models import load_hf_model
 
-    path = tiny_checkpoints["llama"]
-    folder = rbcompile.compile(path, calib=calib_file, calib_samples=8, calib_seq=32,
-                               stack_projections=True).save(tmp_path / "artifact")
+    path, folder = tiny_checkpoints["llama"], tmp_path / "artifact"
+    assert main(["compile", str(path), "--calib", str(calib_file), "--calib-samples", "8",
+                 "--calib-seq", "32", "--kernels", "--stack-projections", "-o", str(folder)]) == 0
     compiled = rbcompile.load(folder)
+    ops = {node[1] for node in compiled.decoder.ir["nodes"]}
+    assert {"rbcompile.write_kv.default", "rbcompile.rotary_pair.default"} <= ops
     layers = compiled.decoder.shape.layers
     linears = [node for node in compiled.decoder.ir["nodes"] if node[1] == "aten.linear.default"]
     assert len(linears) == 4 * layers + 1  # + the LM head
