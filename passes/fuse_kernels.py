@@ -259,52 +259,59 @@ class _Fuser:
                 if match:
                     self.gelu(node, match[0], "tanh", match[1])
 
+    def _pairs(self, candidate, key_of, place):
+        """(first, second, anchor) for candidate nodes of one key, in graph order: `place(first,
+        second, order)` says where their fused op goes (an anchor), or None: the second waits
+        for a partner of its own."""
+        order = {node: i for i, node in enumerate(self.gm.graph.nodes)}
+        waiting: dict[tuple, Node] = {}
+        for node in list(self.gm.graph.nodes):
+            if node in self.erased or node.op != "call_function" or not candidate(node):
+                continue
+            key = key_of(node)
+            first = waiting.pop(key, None)
+            anchor = place(first, node, order) if first is not None else None
+            if anchor is None:
+                waiting[key] = node
+            else:
+                yield first, node, anchor
+
     def pair_rotaries(self) -> None:
         """Each layer's two rotaries of one `cos` / `sin` in one region (q's, then k's) -> one
         `rotary_pair`: where the second is, when nothing reads the first before it, else where
         the first is, when the second's input is there already (a partial rotary's slice)."""
-        order = {node: i for i, node in enumerate(self.gm.graph.nodes)}
-        waiting: dict[tuple, Node] = {}
-        for node in list(self.gm.graph.nodes):
-            if node.op != "call_function" or node.target is not ops.rotary.default:
-                continue
-            key = (*node.args[1:3], node.meta.get(REGION))
-            first = waiting.pop(key, None)
-            anchor = None
-            if first is not None:
-                if all(order.get(user, -1) > order[node] for user in first.users):
-                    anchor = node
-                elif order.get(node.args[0], len(order)) < order[first]:
-                    anchor = first
-            if anchor is None:
-                waiting[key] = node
-            else:
-                self.replace("rotary_pair", anchor, ops.rotary_pair.default,
-                             (first.args[0], node.args[0], *node.args[1:3]), [first, node],
-                             [first, node])
+        def place(first, second, order):
+            if all(order.get(user, -1) > order[second] for user in first.users):
+                return second
+            return first if order.get(second.args[0], len(order)) < order[first] else None
+
+        for first, second, anchor in self._pairs(
+                lambda node: node.target is ops.rotary.default,
+                lambda node: (*node.args[1:3], node.meta.get(REGION)), place):
+            self.replace("rotary_pair", anchor, ops.rotary_pair.default,
+                         (first.args[0], second.args[0], *second.args[1:3]), [first, second],
+                         [first, second])
 
     def pair_cache_writes(self) -> None:
         """Each layer's K and V cache writes (`index_copy_` of one `cache_position` into two
         graph inputs, in one region) -> one `write_kv` where the second is, when nothing reads
         the first's result before it; readers of the results then read the caches, after it."""
+        def place(first, second, order):
+            if first.args[0] is second.args[0] or any(
+                    order.get(user, -1) < order[second] for user in first.users):
+                return None
+            return second
+
         graph = self.gm.graph
-        order = {node: i for i, node in enumerate(graph.nodes)}
-        waiting: dict[tuple, Node] = {}
-        for node in list(graph.nodes):
-            if not (_call(node, aten.index_copy_.default, 4) and node.args[1] == 2
-                    and node.args[0].op == "placeholder"):
-                continue
-            key = (node.args[2], node.meta.get(REGION))
-            first = waiting.pop(key, None)
-            if first is None or first.args[0] is node.args[0] or any(
-                    order.get(user, -1) < order[node] for user in first.users):
-                waiting[key] = node
-                continue
-            with graph.inserting_before(node):
+        for first, second, anchor in self._pairs(
+                lambda node: (_call(node, aten.index_copy_.default, 4) and node.args[1] == 2
+                              and node.args[0].op == "placeholder"),
+                lambda node: (node.args[2], node.meta.get(REGION)), place):
+            with graph.inserting_before(anchor):
                 fused = graph.call_function(ops.write_kv.default, (
-                    first.args[0], node.args[0], node.args[2], first.args[3], node.args[3]))
-            fused.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            for write in (first, node):
+                    first.args[0], second.args[0], second.args[2], first.args[3], second.args[3]))
+            fused.meta.update({k: v for k, v in anchor.meta.items() if k != "val"})
+            for write in (first, second):
                 write.replace_all_uses_with(write.args[0])
                 self.renamed[write.name] = write.args[0].name
                 graph.erase_node(write)
