@@ -19,7 +19,8 @@ Where do_bench's times differ but the graph times agree, the difference is launc
 Decode-like shapes show it best: `--shapes 8x576,8x4096`. `rotary` reads HIDDEN as q's width:
 HIDDEN / 64 heads of 64, the [tokens, heads, 64] projection transposed as attention does;
 `rotary_pair` that q and a k of a third of its heads (GQA) in one launch; `write_kv` a k and a
-v of that k's shape into caches 64 slots longer, at tokens 32 on.
+v of that k's shape into caches 64 slots longer, at tokens 32 on; `rotary_write_kv` both in one
+launch (k rotated into its cache).
 `GB/s` = bytes the op must read and write (inputs + outputs, once) / median time: these kernels
 are memory-bound, so it is the figure to hold against the device's bandwidth. `speedup` is the
 reference's median / the contender's. Rows are appended to `--csv` with device, versions, date.
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 KERNELS = ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "swiglu", "gelu_bias",
-           "gated_residual", "rotary", "rotary_pair", "write_kv")
+           "gated_residual", "rotary", "rotary_pair", "write_kv", "rotary_write_kv")
 ROTARY_HEAD_DIM = 64  # rotary: q of hidden / 64 heads (SmolLM2-135M: 9, Llama-3.2-1B: 32)
 DEFAULT_CSV = Path(__file__).parent / "results" / "bench_kernels.csv"
 CSV_FIELDS = ("date", "device", "torch", "triton", "kernel", "tokens", "hidden", "dtype", "impl",
@@ -64,7 +65,8 @@ def make_case(kernel, tokens, hidden, dtype, device):
     """(launcher, reference, args, bytes moved) for `kernel` at tokens x hidden."""
     import torch
 
-    from rbcompile.kernels import gated_residual, gelu, layer_norm, rms_norm, rotary, swiglu, write_kv
+    from rbcompile.kernels import (gated_residual, gelu, layer_norm, rms_norm, rotary, rotary_write_kv,
+                                   swiglu, write_kv)
 
     generator = torch.Generator(device=device).manual_seed(0)
 
@@ -93,25 +95,29 @@ def make_case(kernel, tokens, hidden, dtype, device):
         gate = (torch.arange(tokens, device=device) % 2).to(dtype)
         return (gated_residual.gated_residual_triton, gated_residual.gated_residual_reference,
                 (x, other, gate), 3 * act + gate.element_size() * tokens)
-    if kernel in ("rotary", "rotary_pair"):  # q as attention makes it: [1, tokens, heads, 64]
-        heads = max(1, hidden // ROTARY_HEAD_DIM)  # transposed
-        q = rand(1, tokens, heads, ROTARY_HEAD_DIM).transpose(1, 2)
-        cos, sin = rand(1, 1, tokens, ROTARY_HEAD_DIM), rand(1, 1, tokens, ROTARY_HEAD_DIM)
-        angles = 2 * cos.numel() * cos.element_size()
-        if kernel == "rotary":
-            return (rotary.rotary_triton, rotary.rotary_reference, (q, cos, sin),
-                    2 * q.numel() * q.element_size() + angles)
-        k = rand(1, tokens, max(1, heads // 3), ROTARY_HEAD_DIM).transpose(1, 2)
+    # rotary kernels: q as attention makes it ([1, tokens, heads, 64] transposed), k / v with a
+    # third of its heads (GQA), caches 64 slots longer written at tokens 32 on
+    heads = max(1, hidden // ROTARY_HEAD_DIM)
+    kv_heads = max(1, heads // 3)
+    q = rand(1, tokens, heads, ROTARY_HEAD_DIM).transpose(1, 2)
+    k, v = (rand(1, tokens, kv_heads, ROTARY_HEAD_DIM).transpose(1, 2) for _ in range(2))
+    cos, sin = rand(1, 1, tokens, ROTARY_HEAD_DIM), rand(1, 1, tokens, ROTARY_HEAD_DIM)
+    caches = [rand(1, kv_heads, tokens + 64, ROTARY_HEAD_DIM) for _ in range(2)]
+    positions = torch.arange(32, 32 + tokens, device=device)
+    angles = 2 * cos.numel() * cos.element_size()
+    q_bytes, kv_bytes = q.numel() * q.element_size(), k.numel() * k.element_size()
+    slots = positions.numel() * positions.element_size()
+    if kernel == "rotary":
+        return rotary.rotary_triton, rotary.rotary_reference, (q, cos, sin), 2 * q_bytes + angles
+    if kernel == "rotary_pair":
         return (rotary.rotary_pair_triton, rotary.rotary_pair_reference, (q, k, cos, sin),
-                2 * (q.numel() + k.numel()) * q.element_size() + angles)
-    if kernel == "write_kv":  # one layer's step: k / v [1, kv heads, tokens, 64] into caches
-        heads = max(1, hidden // ROTARY_HEAD_DIM // 3)
-        k, v = rand(1, heads, tokens, ROTARY_HEAD_DIM), rand(1, tokens, heads, ROTARY_HEAD_DIM)
-        caches = [rand(1, heads, tokens + 64, ROTARY_HEAD_DIM) for _ in range(2)]
-        positions = torch.arange(32, 32 + tokens, device=device)
+                2 * (q_bytes + kv_bytes) + angles)
+    if kernel == "write_kv":  # k as the rotary leaves it (contiguous), v transposed
         return (write_kv.write_kv_triton, write_kv.write_kv_reference,
-                (*caches, positions, k, v.transpose(1, 2)),
-                4 * k.numel() * k.element_size() + positions.numel() * positions.element_size())
+                (*caches, positions, k.contiguous(), v), 4 * kv_bytes + slots)
+    if kernel == "rotary_write_kv":
+        return (rotary_write_kv.rotary_write_kv_triton, rotary_write_kv.rotary_write_kv_reference,
+                (*caches, positions, q, k, v, cos, sin), 2 * q_bytes + 4 * kv_bytes + angles + slots)
     raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
 
 

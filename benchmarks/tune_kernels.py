@@ -45,7 +45,7 @@ from bench_kernels import KERNELS, make_case  # the Llama kernels first: a sweep
 KEEP = 1.03  # the current entry stays unless the best is this much faster
 # the kernels whose configs are keyed by the row width swept here (the others' rows are a head
 # or half of one: they take the heuristic)
-HEAD_ROWS = ("rotary", "rotary_pair", "write_kv")
+HEAD_ROWS = ("rotary", "rotary_pair", "write_kv", "rotary_write_kv")
 TUNED = [kernel for kernel in KERNELS if kernel not in HEAD_ROWS]
 
 

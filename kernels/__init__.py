@@ -2,10 +2,10 @@
 package registers them as `torch.ops.rbcompile.*` (see registry.py)."""
 import torch
 
-from . import gated_residual, gelu, layer_norm, rms_norm, rotary, swiglu, write_kv
+from . import gated_residual, gelu, layer_norm, rms_norm, rotary, rotary_write_kv, swiglu, write_kv
 from .registry import REFERENCES
 
 OPS = torch.ops.rbcompile  # the registered kernels: OPS.rms_norm.default, ...
 
-__all__ = ["OPS", "REFERENCES", "gated_residual", "gelu", "layer_norm", "rms_norm", "rotary", "swiglu",
-           "write_kv"]
+__all__ = ["OPS", "REFERENCES", "gated_residual", "gelu", "layer_norm", "rms_norm", "rotary",
+           "rotary_write_kv", "swiglu", "write_kv"]

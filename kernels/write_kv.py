@@ -26,11 +26,12 @@ def write_kv_reference(key_cache: torch.Tensor, value_cache: torch.Tensor,
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["n_rows", "heads", "tokens"])
-    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, n_rows, width, heads, tokens,
-                         k_b, k_h, k_t, k_d, v_b, v_h, v_t, v_d,
-                         kc_b, kc_h, kc_s, kc_d, vc_b, vc_h, vc_s, vc_d,
-                         BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    @triton.jit
+    def copy_tile_to_slots(x_ptr, c_ptr, pos_ptr, n_rows, width, heads, tokens,
+                           x_b, x_h, x_t, x_d, c_b, c_h, c_s, c_d,
+                           BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One tile of `x` [batch, heads, tokens, width] copied to the cache's slots
+        `pos_ptr[token]`."""
         row, col, mask = tile_offsets(n_rows, width, BLOCK_ROWS, BLOCK_N)
         row64 = row.to(tl.int64)
         t = row64 % tokens
@@ -38,23 +39,40 @@ if triton is not None:
         b = row64 // tokens // heads
         slot = tl.load(pos_ptr + t, mask=row < n_rows, other=0).to(tl.int64)
         d = col.to(tl.int64)[None, :]
-        k = tl.load(k_ptr + (b * k_b + h * k_h + t * k_t)[:, None] + d * k_d, mask=mask)
-        v = tl.load(v_ptr + (b * v_b + h * v_h + t * v_t)[:, None] + d * v_d, mask=mask)
-        tl.store(kc_ptr + (b * kc_b + h * kc_h + slot * kc_s)[:, None] + d * kc_d, k, mask=mask)
-        tl.store(vc_ptr + (b * vc_b + h * vc_h + slot * vc_s)[:, None] + d * vc_d, v, mask=mask)
+        x = tl.load(x_ptr + (b * x_b + h * x_h + t * x_t)[:, None] + d * x_d, mask=mask)
+        tl.store(c_ptr + (b * c_b + h * c_h + slot * c_s)[:, None] + d * c_d, x, mask=mask)
+
+    @triton.jit(do_not_specialize=["n_rows", "heads", "tokens"])
+    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, pos_ptr, n_rows, width, heads, tokens,
+                         k_b, k_h, k_t, k_d, v_b, v_h, v_t, v_d,
+                         kc_b, kc_h, kc_s, kc_d, vc_b, vc_h, vc_s, vc_d,
+                         BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+        copy_tile_to_slots(k_ptr, kc_ptr, pos_ptr, n_rows, width, heads, tokens,
+                           k_b, k_h, k_t, k_d, kc_b, kc_h, kc_s, kc_d, BLOCK_ROWS, BLOCK_N)
+        copy_tile_to_slots(v_ptr, vc_ptr, pos_ptr, n_rows, width, heads, tokens,
+                           v_b, v_h, v_t, v_d, vc_b, vc_h, vc_s, vc_d, BLOCK_ROWS, BLOCK_N)
 
 
 _POSITIONS = (torch.int64, torch.int32)
 
 
+def writes_apply(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 cache_position: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel writes k (of `k_dtype`, default k's: what a fused op writes) and v
+    into the caches (else the reference runs): 4-D, one shape, the caches' dtypes, one device,
+    1-D integer positions, one per token."""
+    return (k.dim() == 4 and k.shape == v.shape and key_cache.shape == value_cache.shape
+            and key_cache.dim() == 4
+            and key_cache.shape[:2] + key_cache.shape[3:] == k.shape[:2] + k.shape[3:]
+            and cache_position.shape == (k.shape[2],) and cache_position.dtype in _POSITIONS
+            and (k_dtype or k.dtype) == key_cache.dtype and v.dtype == value_cache.dtype
+            and all(t.device == k.device for t in (v, key_cache, value_cache, cache_position)))
+
+
 def write_kv_triton(key_cache: torch.Tensor, value_cache: torch.Tensor,
                     cache_position: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if (k.dim() != 4 or k.shape != v.shape or key_cache.shape != value_cache.shape
-            or key_cache.dim() != 4 or key_cache.shape[:2] + key_cache.shape[3:]
-            != k.shape[:2] + k.shape[3:] or cache_position.shape != (k.shape[2],)
-            or cache_position.dtype not in _POSITIONS or k.dtype != key_cache.dtype
-            or v.dtype != value_cache.dtype
-            or any(t.device != k.device for t in (v, key_cache, value_cache, cache_position))):
+    if not writes_apply(key_cache, value_cache, cache_position, k, v):
         return write_kv_reference(key_cache, value_cache, cache_position, k, v)
     batch, heads, tokens, width = k.shape
     n_rows = batch * heads * tokens

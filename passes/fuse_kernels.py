@@ -18,7 +18,9 @@ Patterns, on ATen graphs from torch.export and from the torch.compile backend (a
   q / k, partial rotary included) -> `rotary`; two of them with one `cos` / `sin` in one region
   (q's and k's) -> `rotary_pair` (one launch);
 - a static cache's K and V writes (`index_copy_` at one position into two graph inputs, one
-  region: the KV-cached decoder) -> `write_kv`; what read the writes' results reads the caches.
+  region: the KV-cached decoder) -> `write_kv`; what read the writes' results reads the caches;
+- a `rotary_pair` whose rotated k only a `write_kv` in its region reads -> `rotary_write_kv`
+  (k rotated straight into its cache slots; one launch where two were).
 Norms and activations left as they were (a form no pattern matches: Gemma's `(1 + w)` RMSNorm)
 are counted in the pass log ("left unfused: ...").
 """
@@ -318,6 +320,25 @@ class _Fuser:
                 self.erased.add(write)
             self.counts["write_kv"] += 1
 
+    def rotate_into_cache_writes(self) -> None:
+        """A layer's `rotary_pair` whose rotated k only its cache write reads (in one region),
+        with nothing reading the rotated q before that write -> one `rotary_write_kv` where
+        the write is."""
+        order = {node: i for i, node in enumerate(self.gm.graph.nodes)}
+        for write in [node for node in self.gm.graph.nodes if _call(node, ops.write_kv.default)]:
+            key_cache, value_cache, position, k_rotated, v = write.args
+            pair = k_rotated.args[0] if _call(k_rotated, operator.getitem) else None
+            if not (_call(pair, ops.rotary_pair.default) and k_rotated.args[1] == 1
+                    and len(k_rotated.users) == 1 and self.same_region([pair, write])):
+                continue
+            q_rotated = [user for user in pair.users if user.args[1] == 0]
+            if any(order[reader] < order[write] for user in q_rotated for reader in user.users):
+                continue
+            q, k, cos, sin = pair.args
+            self.replace("rotary_write_kv", write, ops.rotary_write_kv.default,
+                         (key_cache, value_cache, position, q, k, v, cos, sin),
+                         [q_rotated[0] if q_rotated else None], [pair, k_rotated, *q_rotated, write])
+
     def gelu(self, anchor: Node, x: Node, approximate: str, pattern: list[Node]) -> None:
         if not self.same_region(pattern):
             return
@@ -368,6 +389,7 @@ def fuse_kernels(gm: GraphModule, ctx: PassContext) -> PassReport:
     fuser.run()
     fuser.pair_rotaries()
     fuser.pair_cache_writes()
+    fuser.rotate_into_cache_writes()
     gm.graph.eliminate_dead_code()  # casts the fused ops now do themselves
     gm.graph.lint()
     gm.recompile()

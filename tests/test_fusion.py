@@ -142,19 +142,80 @@ def test_calibrated_width_levels_are_fused_too(tiny_checkpoints, calib_file):
 
 def test_the_kv_cached_decoder_is_fused_and_generates_hf_tokens(fused_tiny):
     """The decoder graph (prefill and decode steps with a static cache) gets the same kernels:
-    its rotary embeddings (q's and k's in one op), norms and SwiGLU fused, each layer's K and V
-    cache writes one op; greedy tokens equal transformers'."""
+    norms and SwiGLU fused, and each layer's q / k rotaries and K / V cache writes one op (k
+    rotated straight into the cache); greedy tokens equal transformers'."""
     from test_decoder import PROMPTS, _hf_new_tokens
 
     compiled, eager = fused_tiny["llama"]
     ops = [node[1] for node in compiled.decoder.ir["nodes"]]
-    assert {"rbcompile.rotary_pair.default", "rbcompile.swiglu.default"} <= set(ops)
+    assert "rbcompile.swiglu.default" in ops
     assert not set(ops) & {"aten.neg.default", "aten.rsqrt.default", "aten.silu.default",
-                           "aten.index_copy_.default"}
-    assert ops.count("rbcompile.write_kv.default") == compiled.decoder.shape.layers
+                           "aten.index_copy_.default", "rbcompile.rotary_pair.default",
+                           "rbcompile.write_kv.default"}
+    assert ops.count("rbcompile.rotary_write_kv.default") == compiled.decoder.shape.layers
     mask = (PROMPTS != 0).long()
     assert (compiled.generate(PROMPTS, mask, max_new_tokens=8).tokens
             == _hf_new_tokens(eager, PROMPTS, mask, 8))
+
+
+def _rotary_then_write(q_read_first=False, k_read_too=False, write_region=0):
+    """A layer's step graph: `rotary_pair` then `write_kv` of the rotated k and v, then q read;
+    optionally q also read before the write, the rotated k also read elsewhere, the write in
+    another region than the rotary."""
+    import operator
+
+    from rbcompile.kernels import OPS
+    from rbcompile.passes.base import REGION
+
+    graph = torch.fx.Graph()
+    key_cache, value_cache, position, q, k, v, cos, sin = (
+        graph.placeholder(name) for name in ("key_cache", "value_cache", "position", "q", "k", "v",
+                                             "cos", "sin"))
+    pair = graph.call_function(OPS.rotary_pair.default, (q, k, cos, sin))
+    q_rotated, k_rotated = (graph.call_function(operator.getitem, (pair, i)) for i in (0, 1))
+    outputs = [graph.call_function(torch.ops.aten.mul.Tensor, (q_rotated, 2.0))] if q_read_first else []
+    write = graph.call_function(OPS.write_kv.default, (key_cache, value_cache, position, k_rotated, v))
+    outputs.append(graph.call_function(torch.ops.aten.add.Tensor, (q_rotated, 1.0)))
+    if k_read_too:
+        outputs.append(graph.call_function(torch.ops.aten.add.Tensor, (k_rotated, 1.0)))
+    graph.output(tuple(outputs))
+    for node in graph.nodes:
+        node.meta[REGION] = write_region if node is write else 0
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _step_inputs():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 3, 8, generator=generator) for heads in (6, 2, 2))
+    cos, sin = (torch.randn(1, 1, 3, 8, generator=generator) for _ in range(2))
+    caches = [torch.randn(2, 2, 7, 8, generator=generator) for _ in range(2)]
+    return [*caches, torch.tensor([4, 0, 5]), q, k, v, cos, sin]
+
+
+@pytest.mark.parametrize("case, fused", [({}, True), ({"q_read_first": True}, False),
+                                         ({"k_read_too": True}, False),
+                                         ({"write_region": 1}, False)],
+                         ids=["fused", "q-read-before-the-write", "k-read-elsewhere",
+                              "two-regions"])
+def test_a_rotary_pair_and_its_cache_write_become_one_op_only_where_that_keeps_the_order(case, fused):
+    """`rotary_write_kv` replaces a rotary pair and the cache write of its rotated k when the
+    write is the rotated k's only reader, nothing reads the rotated q before the write, and
+    both lie in one region; the outputs and the caches are those of the graph before."""
+    from rbcompile.passes.fuse_kernels import _Fuser
+
+    gm = _rotary_then_write(**case)
+    before, after = _step_inputs(), _step_inputs()
+    want = gm(*before)
+    fuser = _Fuser(gm)
+    fuser.rotate_into_cache_writes()
+    gm.graph.lint()
+    gm.recompile()
+    targets = {str(node.target) for node in gm.graph.nodes if node.op == "call_function"}
+    assert ("rbcompile.rotary_write_kv.default" in targets) == fused, targets
+    assert ("rbcompile.write_kv.default" in targets) != fused
+    got = gm(*after)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert all(torch.equal(g, w) for g, w in zip(after[:2], before[:2]))
 
 
 def test_a_partial_rotary_is_fused_and_matches_eager():

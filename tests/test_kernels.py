@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rbcompile.kernels import OPS, REFERENCES, _triton, configs, gated_residual, gelu
-from rbcompile.kernels import layer_norm, rms_norm, rotary, swiglu, write_kv
+from rbcompile.kernels import layer_norm, rms_norm, rotary, rotary_write_kv, swiglu, write_kv
 
 needs_triton = pytest.mark.skipif(not _triton.AVAILABLE, reason="triton not installed")
 if _triton.AVAILABLE and not _triton.interpreting() and not torch.cuda.is_available():
@@ -194,6 +194,57 @@ def test_write_kv_takes_the_reference_where_the_kernel_does_not_apply():
             continue
         write_kv.write_kv_triton(*caches, args[2], *args[:2])
         assert all(torch.equal(got, expected) for got, expected in zip(caches, want))
+
+
+def _step_tensors(shape, dtype, k_heads):
+    """A layer's step as attention makes it: q / k / v transposed projections ([B, H, T, D]
+    views), cos per batch row, sin shared, two caches of more slots, slots in any order."""
+    batch, heads, tokens, width = shape
+    q = rand((batch, tokens, heads, width), dtype, 0).transpose(1, 2)
+    k, v = (rand((batch, tokens, k_heads, width), dtype, seed).transpose(1, 2) for seed in (1, 2))
+    cos, sin = rand((batch, 1, tokens, width), dtype, 3), rand((1, 1, tokens, width), dtype, 4)
+    slots = tokens + 5
+    positions = torch.randperm(slots, generator=torch.Generator().manual_seed(5))[:tokens]
+    caches = [rand((batch, k_heads, slots, width), dtype, seed) for seed in (6, 7)]
+    return caches, positions.to(DEVICE), q, k, v, cos, sin
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ROTARY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rotary_write_kv_matches_reference(shape, dtype):
+    """q rotated, k rotated into its cache slots and v copied into its own, in one launch: the
+    rotated q in the reference's layout, the key cache close to the reference's (the rotation
+    rounds once), the value cache equal, for k / v with fewer heads than q (GQA) and more."""
+    for k_heads in (max(1, shape[1] // 3), shape[1] + 2):
+        caches, positions, *rest = _step_tensors(shape, dtype, k_heads)
+        want = [cache.clone() for cache in caches]
+        got_q = rotary_write_kv.rotary_write_kv_triton(*caches, positions, *rest)
+        want_q = rotary_write_kv.rotary_write_kv_reference(*want, positions, *rest)
+        label = f"{k_heads} k heads"
+        _matches_with_layout(got_q, want_q, dtype, f"q with {label}")
+        close(caches[0], want[0], dtype)
+        assert torch.equal(caches[1], want[1]), label
+
+
+@needs_triton
+def test_rotary_write_kv_takes_the_references_where_the_kernel_does_not_apply():
+    """Where `rotary_pair` or `write_kv` would not launch, or the rotated k's dtype is not the
+    key cache's, both references run (and refuse what they refuse)."""
+    caches, positions, q, k, v, cos, sin = _step_tensors((2, 3, 4, 8), torch.float32, 3)
+    for args in ((positions, q, k, v, cos.expand(-1, 3, -1, -1), sin),  # cos per head
+                 (positions, q, k, v[..., :6], cos, sin),                 # v of another shape
+                 (positions.double(), q, k, v, cos, sin),                 # positions not integers
+                 (positions, q, k, v, cos.double(), sin.double())):      # a float64 rotated k
+        got, want = [c.clone() for c in caches], [c.clone() for c in caches]
+        try:
+            expected = rotary_write_kv.rotary_write_kv_reference(*want, *args)
+        except (RuntimeError, IndexError) as error:  # the reference refuses it: so must it
+            with pytest.raises(type(error)):
+                rotary_write_kv.rotary_write_kv_triton(*got, *args)
+            continue
+        assert torch.equal(rotary_write_kv.rotary_write_kv_triton(*got, *args), expected)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 TABLE_WIDTHS = [384, 576, 768, 2048, 4096, 1000]  # the table's, and one the heuristic serves
@@ -390,7 +441,8 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from rbcompile.kernels import gated_residual, gelu, layer_norm, rms_norm, rotary, swiglu, write_kv
+from rbcompile.kernels import (gated_residual, gelu, layer_norm, rms_norm, rotary, rotary_write_kv,
+                               swiglu, write_kv)
 
 def source(fn, types, consts):
     names = fn.arg_names
@@ -422,6 +474,12 @@ for dt in ("bf16", "fp32"):
                       heads=I, tokens=I, **{f"{t}_{d}": I for t in ("k", "v") for d in "bhtd"},
                       **{f"{t}_{d}": I for t in ("kc", "vc") for d in "bhsd"}),
                  dict(BLOCK_ROWS=4, BLOCK_N=64)))
+    jobs.append((rotary_write_kv._rotary_write_kv_kernel,
+                 dict(q_ptr=P, k_ptr=P, v_ptr=P, cos_ptr=P, sin_ptr=P, qo_ptr=P, kc_ptr=P,
+                      vc_ptr=P, pos_ptr="*i64", q_rows=I, kv_rows=I, half=I, q_heads=I,
+                      kv_heads=I, tokens=I,
+                      **{f"{t}_{d}": I for t in ("q", "k", "v", "c", "s", "qo") for d in "bhtd"},
+                      **{f"{t}_{d}": I for t in ("kc", "vc") for d in "bhsd"}), tile))
     for tanh in (False, True):
         jobs.append((gelu._gelu_bias_kernel, dict(x_ptr=P, b_ptr=P, out_ptr=P, n_rows=I, n_cols=I,
                                                   x_stride=I), dict(HAS_BIAS=True, TANH=tanh, **tile)))
@@ -447,4 +505,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     if out.stdout.startswith("API"):
         pytest.skip(f"Triton's ASTSource API differs: {out.stdout}")
-    assert out.stdout.count("compiled") == 18, out.stdout
+    assert out.stdout.count("compiled") == 20, out.stdout
