@@ -315,7 +315,8 @@ class CompiledModel:
         options.setdefault("batch_buckets", self.decoder.graphs is not None)
         return BatchEngine(self.decoder, self.decoder.shape, gates_for_budget=self.decoder_gates,
                            eos_token_ids=() if eos is None else eos, decode=decode,
-                           max_batch=max_batch, **options)
+                           max_batch=max_batch, release_cache=self.decoder.forget_cache,
+                           **options)
 
     def skipped_share(self, gates, widths=None) -> float:
         """Fraction of prunable FLOPs not computed under these gates and widths."""

@@ -7,7 +7,8 @@ artifact runtime (`CompiledModel.use_cuda_graphs`) and the torch.compile backend
 
 - lazily captured: a key is captured the `capture_after`-th time it is seen (earlier calls run
   eagerly, so a shape seen once, such as a growing dynamic KV cache, never costs a capture);
-- bounded: at most `max_graphs` graphs, least recently used evicted first;
+- bounded: at most `max_graphs` graphs, least recently used evicted first, and `forget(tensors)`
+  drops at once the graphs that read tensors their owner is done with (a K/V set);
 - memory-aware: when the inputs' device has less than `min_free_fraction` of its memory
   free, or a capture fails for memory, the call runs eagerly and the key is not captured;
 - thread-safe: a call holds the cache from its lookup through its replay and copy-out (the
@@ -77,6 +78,7 @@ class GraphStats:
     replays: int = 0
     eager_calls: int = 0        # calls before capture, or without room to capture
     evictions: int = 0
+    released: int = 0           # graphs dropped with the tensors they read in place (`forget`)
     memory_fallbacks: int = 0   # captures skipped or failed for lack of memory
     capture_failures: int = 0   # keys that cannot be captured (they run eagerly from then on)
 
@@ -205,6 +207,19 @@ class GraphCache:
         del self._seen[key]
         self.stats.captures += 1
         return graph
+
+    def forget(self, tensors) -> None:
+        """Drop the graphs that read (views of) any of `tensors` in place: tensors their owner
+        will not use again (a K/V set the pool dropped, an engine's cache before it grew),
+        which those graphs would keep in memory until evicted."""
+        storages = {tensor.untyped_storage().data_ptr() for tensor in tensors}
+        with self._lock:
+            for key in [key for key, graph in self._graphs.items()
+                        if any(isinstance(value, torch.Tensor) and self.in_place(value)
+                               and value.untyped_storage().data_ptr() in storages
+                               for value in graph.inputs)]:
+                del self._graphs[key]
+                self.stats.released += 1
 
     def clear(self) -> None:
         with self._lock:

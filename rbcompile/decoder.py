@@ -44,14 +44,15 @@ class Decoder:
         where they are, so a generation's steps share its graph, and generations take their
         cache from `cache_pool`, so later ones of the same batch bucket and rounded length
         replay the graphs of earlier ones (the prefill too, from its second sight of a prompt
-        length). A key seen once runs eagerly. `capture` replaces the CUDA capture (tests: a
-        fake one)."""
+        length); the graphs that read a set the pool drops (or a cache's own, grown set) are
+        dropped with it. A key seen once runs eagerly. `capture` replaces the CUDA capture
+        (tests: a fake one)."""
         self.graphs, self.cache_pool = None, None
         if enabled:
             self.module.region_cache.enabled = False  # the graph computes those values itself
             self.graphs = GraphCache(self.module, max_graphs=max_graphs, capture_after=2,
                                      in_place=lambda tensor: tensor.dim() == 4, capture=capture)
-            self.cache_pool = CachePool()
+            self.cache_pool = CachePool(on_drop=self.forget_cache)
         else:
             self.module.region_cache.enabled = True
         return self
@@ -61,6 +62,12 @@ class Decoder:
         if self.graphs is not None:
             self.graphs.clear()
             self.cache_pool.clear()
+
+    def forget_cache(self, tensors: list[torch.Tensor]) -> None:
+        """K/V `tensors` will not be used again: the graphs that read them go (they would keep
+        the tensors in memory until evicted)."""
+        if self.graphs is not None:
+            self.graphs.forget(tensors)
 
     @property
     def device(self) -> torch.device:

@@ -122,14 +122,15 @@ class BatchEngine:
     `batch_buckets`: a decode step runs the next power of two of rows (at most `max_batch`),
     the rows past the running ones idle, and the cache grows to powers of two of blocks, so
     that CUDA graphs of the step are one per bucket and doubling rather than one per count of
-    running rows and block."""
+    running rows and block. `release_cache(tensors)` hears of K/V tensors the engine no longer
+    uses (the cache grew, or started over): the decoder's `forget_cache`."""
 
     def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
                  eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
                  block: int = 64, wake: threading.Condition | None = None,
                  prefix_cache: PrefixCache | None = None, prefill_tokens: int = 2048,
                  prefill_chunk: int | None = 512, draft_tokens: int = 4, verify_tokens: int = 64,
-                 batch_buckets: bool = False):
+                 batch_buckets: bool = False, release_cache: Callable | None = None):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_tokens < 1:
@@ -145,7 +146,8 @@ class BatchEngine:
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
-        self.cache = BatchKVCache(shape, max_batch, block, power_of_two=batch_buckets)
+        self.cache = BatchKVCache(shape, max_batch, block, power_of_two=batch_buckets,
+                                  on_drop=release_cache)
         self.waiting: list[tuple[int, int, EngineRequest]] = []   # a heap: priority, arrival
         self.arrivals = itertools.count()
         self.running: list[EngineRequest] = []        # running[i] decodes in cache row i
@@ -495,7 +497,8 @@ class BatchEngine:
         failed, self.running = self.running, []
         if self.chunked is not None:
             failed, self.chunked = failed + self.chunked.group, None
+        self.cache.drop(self.cache.tensors)
         self.cache = BatchKVCache(self.shape, self.max_batch, self.cache.block,
-                                  power_of_two=self.batch_buckets)
+                                  power_of_two=self.batch_buckets, on_drop=self.cache.on_drop)
         for request in failed:
             self._finish(request, "error", exc)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -82,10 +83,12 @@ class CachePool:
     times the bytes of the largest of them, the least recently given back dropped first: two
     sets of one shape, or one batch's buckets (8, 4, 2 and 1 rows: under twice the 8-row
     set's bytes). Lengths are rounded up (`slots`) so that requests of similar length share a
-    shape. Thread-safe."""
+    shape. A set dropped for good (by that bound, by `clear`, or a cache's own set that it
+    `discard`s) goes to `on_drop`: the graphs that read it can let it go. Thread-safe."""
 
-    def __init__(self, max_share: float = 2.0, min_slots: int = 64):
-        self.max_share, self.min_slots = max_share, min_slots
+    def __init__(self, max_share: float = 2.0, min_slots: int = 64,
+                 on_drop: Callable[[list[torch.Tensor]], None] | None = None):
+        self.max_share, self.min_slots, self.on_drop = max_share, min_slots, on_drop
         self._waiting: list[tuple[tuple, list[torch.Tensor]]] = []   # oldest first
         self._lock = threading.Lock()
         self.taken = self.reused = 0
@@ -112,17 +115,27 @@ class CachePool:
 
     def give_back(self, tensors: list[torch.Tensor]) -> None:
         """`tensors`, a set `take` gave, may be taken again."""
-        first = tensors[0]
+        first, dropped = tensors[0], []
         with self._lock:
             self._waiting.append(((len(tensors), tuple(first.shape), first.dtype, first.device),
                                   tensors))
             sizes = [tensor_bytes(waiting) for _, waiting in self._waiting]
             while sum(sizes) > self.max_share * max(sizes):
-                del self._waiting[0], sizes[0]
+                dropped.append(self._waiting.pop(0)[1])
+                del sizes[0]
+        for waiting in dropped:
+            self.discard(waiting)
+
+    def discard(self, tensors: list[torch.Tensor]) -> None:
+        """`tensors` will not be used again (a set dropped, or one a cache made itself)."""
+        if self.on_drop is not None:
+            self.on_drop(tensors)
 
     def clear(self) -> None:
         with self._lock:
-            self._waiting.clear()
+            dropped, self._waiting = [tensors for _, tensors in self._waiting], []
+        for waiting in dropped:
+            self.discard(waiting)
 
 
 class StaticKVCache:
@@ -231,9 +244,12 @@ class StaticKVCache:
         return padded_rows(running, rows, device)
 
     def _replace(self, tensors: list[torch.Tensor], pooled: bool) -> None:
-        """`tensors` (the pool's when `pooled`) replace the ones the cache had."""
+        """`tensors` (the pool's when `pooled`) replace the ones the cache had: those go back
+        to the pool, or, made by the cache itself, are discarded."""
         if self._pooled:
             self.pool.give_back(self.tensors)
+        elif self.pool is not None and self.tensors:
+            self.pool.discard(self.tensors)
         self.tensors, self._pooled = tensors, pooled
 
 
@@ -251,10 +267,13 @@ class BatchKVCache:
     slots left by the smallest pad changes no attention score (positions travel with the keys,
     masks with the pads and holes). With `power_of_two` (CUDA graphs, keyed by the capacity and
     holding the tensors they read) it grows to the next power of two of blocks: a step's graphs
-    are one per doubling, and the tensors earlier graphs hold total less than the current."""
+    are one per doubling. The tensors it grew out of go to `on_drop` (the decoder's
+    `forget_cache`: the graphs that read them go too)."""
 
-    def __init__(self, shape: DecoderShape, rows: int, block: int = 64, power_of_two: bool = False):
+    def __init__(self, shape: DecoderShape, rows: int, block: int = 64, power_of_two: bool = False,
+                 on_drop: Callable[[list[torch.Tensor]], None] | None = None):
         self.shape, self.rows, self.block, self.power_of_two = shape, rows, block, power_of_two
+        self.on_drop = on_drop
         self.tensors = self._allocate(block)
         self.pads = torch.zeros(rows, dtype=torch.long, device=shape.device)
         self.holes = torch.zeros(rows, block, dtype=torch.bool, device=shape.device)
@@ -383,4 +402,10 @@ class BatchKVCache:
             new[:, :, :self.capacity].copy_(old)
         holes = self.holes.new_zeros(self.rows, grown[0].shape[2])
         holes[:, :self.capacity] = self.holes
-        self.tensors, self.holes = grown, holes
+        old, self.tensors, self.holes = self.tensors, grown, holes
+        self.drop(old)
+
+    def drop(self, tensors: list[torch.Tensor]) -> None:
+        """`tensors` (this cache's, before it grew or was replaced) will not be used again."""
+        if self.on_drop is not None:
+            self.on_drop(tensors)

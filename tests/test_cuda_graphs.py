@@ -165,6 +165,29 @@ def test_in_place_inputs_are_read_where_they_are_and_key_by_address():
     assert cache.stats.captures == 2 and capture.captured[1][1] is other
 
 
+def test_forgotten_tensors_take_the_graphs_that_read_them_along():
+    """`forget(tensors)` drops the graphs that read them (or views of them) in place, so that
+    they leave memory; graphs over other tensors stay, and a later call captures anew."""
+    import gc
+    import weakref
+
+    kv, other = torch.zeros(2, 4), torch.zeros(2, 4)
+    cache, capture = _cache(lambda x, cache_: cache_ + x, in_place=lambda t: t.dim() == 2)
+    view = kv[:1]
+    read = weakref.ref(view)
+    cache("step", torch.ones(4), view)
+    cache("step", torch.ones(4), other)
+    del view
+    cache.forget([kv])
+    capture.captured.clear()   # what the fake capture keeps for the other tests
+    gc.collect()
+    assert read() is None and cache.stats.released == 1 and len(cache) == 1
+    assert torch.equal(cache("step", torch.ones(4), other), torch.ones(2, 4))
+    assert cache.stats.captures == 2                    # the other graph replayed
+    assert torch.equal(cache("step", torch.ones(4), kv[:1]), torch.ones(1, 4))
+    assert cache.stats.captures == 3
+
+
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="max_graphs and capture_after must be >= 1"):
         GraphCache(lambda: None, max_graphs=0, capture=FakeCapture())

@@ -273,6 +273,37 @@ def test_finished_rows_move_the_batch_to_smaller_buckets_under_cuda_graphs(compi
         compiled.hf_config["eos_token_id"] = own_eos
 
 
+def test_a_set_the_pool_drops_takes_its_graphs_along(compiled_tiny):
+    """Under (fake) CUDA graphs, when the pool drops a K/V set (past its bound) the step graphs
+    that read it are dropped too, so the set leaves memory; the tokens stay eager's."""
+    import gc
+    import weakref
+
+    from test_cuda_graphs import FakeCapture
+
+    compiled = compiled_tiny["llama"][0]
+    one, two = PROMPTS[:1], PROMPTS[:2]
+    expected = compiled.generate(one, max_new_tokens=6).tokens
+    capture = FakeCapture()
+    compiled.use_cuda_graphs(capture=capture)
+    try:
+        pool, graphs = compiled.decoder.cache_pool, compiled.decoder.graphs
+        pool.max_share = 1.0                 # one set waits at a time
+        assert compiled.generate(one, max_new_tokens=6).tokens == expected
+        first = [t for t in capture.captured[0] if isinstance(t, torch.Tensor) and t.dim() == 4]
+        assert first and graphs.stats.captures >= 1
+        held = weakref.ref(first[0])
+        compiled.generate(two, max_new_tokens=6)   # its set goes back: the first set is dropped
+        assert graphs.stats.released >= 1
+        del first
+        capture.captured.clear()
+        gc.collect()
+        assert held() is None
+        assert compiled.generate(one, max_new_tokens=6).tokens == expected
+    finally:
+        compiled.use_cuda_graphs(False)
+
+
 def test_a_stream_dropped_before_its_first_token_gives_its_cache_back(compiled_tiny):
     """The server makes a stream in one job and iterates it in later ones: a client gone
     before its first token drops a stream never started, and its pooled K/V set goes back."""

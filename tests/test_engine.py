@@ -330,3 +330,33 @@ def test_decode_steps_run_batch_buckets_under_cuda_graphs(compiled_tiny):
         assert graphs.stats.replays > 0
     finally:
         compiled.use_cuda_graphs(False)
+
+
+def test_a_grown_cache_takes_the_graphs_that_read_it_along(compiled_tiny):
+    """Under (fake) CUDA graphs the engine's cache grows by doubling; the graphs of the steps
+    before each growth read tensors the engine no longer uses, and go with them (so those
+    leave memory); the tokens are each request's alone."""
+    import gc
+    import weakref
+
+    from test_cuda_graphs import FakeCapture
+
+    compiled = compiled_tiny["llama"][0]
+    prompts, lengths = [PROMPTS[0], PROMPTS[1]], (12, 9)
+    expected = [alone(compiled, prompt, new) for prompt, new in zip(prompts, lengths)]
+    capture = FakeCapture()
+    compiled.use_cuda_graphs(capture=capture)
+    try:
+        engine = compiled.batch_engine(max_batch=2, block=4)
+        first = weakref.ref(engine.cache.tensors[0])
+        requests = [EngineRequest(prompt, new) for prompt, new in zip(prompts, lengths)]
+        drain(engine, requests, {0: requests})
+        assert [request.tokens for request in requests] == expected
+        graphs = compiled.decoder.graphs
+        assert engine.cache.capacity >= 16 and graphs.stats.captures > 0
+        assert graphs.stats.released > 0
+        capture.captured.clear()
+        gc.collect()
+        assert first() is None
+    finally:
+        compiled.use_cuda_graphs(False)
