@@ -1,4 +1,6 @@
-"""Graph passes. `PIPELINE` is the one ordered list every compilation runs.
+"""Graph passes. `PIPELINE` is the one ordered list every compilation runs; a calibrated
+compilation then runs `CALIBRATED_PIPELINE`, and an artifact's graphs end with
+`LAYOUT_PIPELINE`.
 
 Debug: set `RBCOMPILE_DUMP_PASS=<pass name>` (or `PassContext.dump_pass`) to write the graph
 before and after that pass to `RBCOMPILE_DUMP_DIR` (default: ./rbcompile-dump).
@@ -42,7 +44,6 @@ PIPELINE = [
     mark_cache_reuse,
     form_regions,
     fuse_kernels,
-    fuse_projections,
     mark_seams,
 ]
 
@@ -51,7 +52,13 @@ CALIBRATED_PIPELINE = [
     permute_width,
 ]
 
-__all__ = ["CALIBRATED_PIPELINE", "PIPELINE", "PassContext", "PassReport", "run_pipeline"]
+# Passes over the weights as the artifact keeps them (permuted, when calibrated): last.
+LAYOUT_PIPELINE = [
+    fuse_projections,
+]
+
+__all__ = ["CALIBRATED_PIPELINE", "LAYOUT_PIPELINE", "PIPELINE", "PassContext", "PassReport",
+           "run_pipeline"]
 
 
 def _dump(gm: GraphModule, ctx: PassContext, name: str, when: str) -> None:
@@ -68,7 +75,7 @@ def run_pipeline(gm: GraphModule, ctx: PassContext, passes=PIPELINE) -> list[dic
                                             "width_importance", "permutations")
                    if getattr(ctx, key) is not None}
     dump = ctx.dump_pass or os.environ.get("RBCOMPILE_DUMP_PASS")
-    known = {p.pass_name for p in PIPELINE + CALIBRATED_PIPELINE}
+    known = {p.pass_name for p in PIPELINE + CALIBRATED_PIPELINE + LAYOUT_PIPELINE}
     if dump and dump not in known:
         raise ValueError(f"unknown pass {dump!r} to dump; passes: {', '.join(sorted(known))}")
     for graph_pass in passes:

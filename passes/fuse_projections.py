@@ -8,10 +8,11 @@ last dimension of the stacked output (a view), read where the projection's outpu
 The stacked weight is not a second copy: the pass records it in `ctx.concatenated` (stacked
 key -> the keys of its parts), and `rbcompile.module.attach_weights` stacks the parts once when
 weights are attached and makes each part a view of the stack, for every module that reads it.
-So the stack always holds the weights the parts hold (permuted ones included) and an artifact
-stores the parts as before. Runs only with `ctx.fuse_projections`: the KV-cached decoder
-graph (the main graph's weights are still permuted and narrowed after the passes), by default
-where it is compiled on CUDA (on CPU it measured no faster: benchmarks/bench_decode_step.py).
+So the stack always holds the weights the parts hold (permuted ones included), an artifact
+stores the parts as before, and narrower width variants read views of the parts. Runs only
+with `ctx.fuse_projections` (by default where the model is compiled on CUDA; on CPU it
+measured no faster: benchmarks/bench_stacking.py), last (`LAYOUT_PIPELINE`): on the main
+graph after calibration has permuted its weights, and on the KV-cached decoder graph.
 
 A group is fused when its linears read one input, take their weights (and all or none of them a
 bias) as graph constants of one dtype and input width, lie in one region with every reader of

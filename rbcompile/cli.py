@@ -127,7 +127,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    "kernels (Triton on CUDA; default: on with --device cuda, off on cpu, where "
                    "they run their PyTorch references)")
     p.add_argument("--stack-projections", action=argparse.BooleanOptionalAction, default=None,
-                   help="the KV-cached decoder computes q/k/v and gate/up as one matmul each "
+                   help="compute q/k/v and gate/up as one matmul each "
                    "(default: on with --device cuda, off on cpu, where it measured no faster)")
     _placement_options(p, "trace and compile on this device (default cpu)",
                        "precision the graph is traced and runs in: fp32 (default), bf16, fp16")

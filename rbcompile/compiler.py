@@ -17,7 +17,7 @@ from .ir import build_ir
 from .models import checkpoint_sha256, load_hf_model, load_tokenizer, resolve_checkpoint
 from .module import attach_weights, instantiate
 from .offramps import train_offramps
-from .passes import CALIBRATED_PIPELINE, PIPELINE, PassContext, run_pipeline
+from .passes import CALIBRATED_PIPELINE, LAYOUT_PIPELINE, PIPELINE, PassContext, run_pipeline
 from .passes.annotate_flops import REFERENCE_SEQ
 from .placement import dtype_name, parse_device, parse_dtype
 from .progress import say, step
@@ -194,13 +194,11 @@ def build_decoder(model, architecture, dims, module, weights: dict, title: str,
                       input_names=traced.input_names, architecture=architecture, dims=dims,
                       kernels=kernels, fuse_projections=stack_projections)
     gm = traced.graph_module
-    with step(f"running {len(PIPELINE)} passes on the decoder"):
+    with step(f"running {len(PIPELINE + LAYOUT_PIPELINE)} passes on the decoder"):
         run_pipeline(gm, ctx)
-    ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names)
-    ir["concatenated"] = ctx.concatenated
-    keys = [*(key for key in ir["parameters"].values() if key not in ctx.concatenated),
-            *(part for parts in ctx.concatenated.values() for part in parts)]
-    own = {key: operator.attrgetter(key)(gm) for key in keys}
+        run_pipeline(gm, ctx, LAYOUT_PIPELINE)
+    ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names, ctx.concatenated)
+    own = graph_weights(gm, ir)
     source, decoder_module = build_module(ir, {**own, **weights}, f"{title} decoder", (module,))
     sizes = DecoderShape(dims.layers, dims.kv_heads, dims.head_dim, dims.max_positions)
     return Decoder(decoder_module, ir, source, sizes)
@@ -275,10 +273,10 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     with `calib` (a text source), also calibrate importance and budget plans; with `kernels`,
     fuse norms, activations, rotaries and cache writes into rbcompile's kernels
     (passes/fuse_kernels.py; default: where the model is on CUDA, as the torch.compile backend
-    does; on CPU they run their PyTorch references); `stack_projections`: the KV-cached decoder
-    computes q / k / v and gate / up as one matmul each (passes/fuse_projections.py; default:
-    on CUDA, where it saves kernel launches; on CPU it measured no faster,
-    `benchmarks/bench_decode_step.py`).
+    does; on CPU they run their PyTorch references); `stack_projections`: the main graph and
+    the KV-cached decoder compute q / k / v and gate / up as one matmul each
+    (passes/fuse_projections.py; default: on CUDA, where it saves kernel launches; on CPU it
+    measured no faster, `benchmarks/bench_stacking.py`).
     `calib_budgets`: the budgets plans are made for (default calibrate.BUDGET_GRID, 0.05 to
     0.5); the greedy search stops at the largest.
 
@@ -287,8 +285,9 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     model is moved there, like `nn.Module.to`).
 
     One pass, in order: trace -> passes -> (calibration: head / channel importance, the
-    permutation pass, width variants) -> IR -> codegen -> module -> (plans measured on it) ->
-    CompiledModel. The weights the module holds are the graph's after every pass."""
+    permutation pass) -> layout passes (stacking) -> IR -> (width variants) -> codegen ->
+    module -> (plans measured on it) -> CompiledModel. The weights the module holds are the
+    graph's after every pass."""
     from .compiled import CompiledModel
 
     device, dtype = parse_device(device), parse_dtype(dtype)
@@ -318,7 +317,7 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     reference[architecture.mask_input].fill_(1)
     ctx = PassContext(family=architecture.family, reference_inputs=reference,
                       input_names=traced.input_names, architecture=architecture, dims=dims,
-                      dump_pass=dump_pass, kernels=kernels)
+                      dump_pass=dump_pass, kernels=kernels, fuse_projections=stack_projections)
     gm = traced.graph_module
     with step(f"running {len(PIPELINE)} passes"):
         run_pipeline(gm, ctx)
@@ -331,7 +330,8 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                 model, ctx.units, architecture.family, batches.calibration,
                 batches.calibration_labels, calibration.head)
         run_pipeline(gm, ctx, CALIBRATED_PIPELINE)  # permutes the graph's weights
-    ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names)
+    run_pipeline(gm, ctx, LAYOUT_PIPELINE)
+    ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names, ctx.concatenated)
     weights = graph_weights(gm, ir)
     if calibration is not None:
         ir["variants"] = width_variants(model, ir, weights, ctx, calibration.levels)

@@ -112,9 +112,20 @@ def rename_references(value, renamed: dict[str, str]):
     return value
 
 
-def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names) -> dict:
-    """The graph after the passes, as data."""
+def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names,
+             concatenated: dict[str, list[str]] | None = None) -> dict:
+    """The graph after the passes, as data. `concatenated`: the weights the graph reads
+    stacked (passes/fuse_projections.py: stack key -> part keys); the parts stay parameters
+    (what an artifact stores, and narrower variants read) even where the graph reads only the
+    stack."""
     params = {n.name: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    names = {n.name for n in gm.graph.nodes}
+    for part in (part for parts in (concatenated or {}).values() for part in parts):
+        if part not in params.values():
+            name = part.replace(".", "_")
+            while name in names or name in params:
+                name += "_part"
+            params[name] = part
     nodes = []
     for node in gm.graph.nodes:
         if node.op == "call_function":
@@ -128,10 +139,13 @@ def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names) ->
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     if len(outputs) != len(output_names):
         raise CompileError(f"graph has {len(outputs)} outputs for names {output_names}")
-    return {"version": IR_VERSION, "inputs": list(input_names),
-            "outputs": [[name, node.name] for name, node in zip(output_names, outputs)],
-            "sequence_outputs": _sequence_outputs(gm, output_names, outputs),
-            "parameters": params, "nodes": nodes, "regions": regions}
+    ir = {"version": IR_VERSION, "inputs": list(input_names),
+          "outputs": [[name, node.name] for name, node in zip(output_names, outputs)],
+          "sequence_outputs": _sequence_outputs(gm, output_names, outputs),
+          "parameters": params, "nodes": nodes, "regions": regions}
+    if concatenated:
+        ir["concatenated"] = dict(concatenated)
+    return ir
 
 
 def _sequence_outputs(gm: GraphModule, output_names, outputs) -> list[str]:

@@ -82,13 +82,14 @@ def tiny_checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fused_tiny():
-    """arch -> (CompiledModel with rbcompile's fused kernels, eager model) for the tiny configs."""
+    """arch -> (CompiledModel compiled as on CUDA: rbcompile's fused kernels and stacked
+    projections, eager model) for the tiny configs."""
     import rbcompile
 
     out = {}
     for arch in ARCHS:
         eager = make_tiny_model(arch)
-        out[arch] = (rbcompile.compile(eager, kernels=True), eager)
+        out[arch] = (rbcompile.compile(eager, kernels=True, stack_projections=True), eager)
     return out
 
 

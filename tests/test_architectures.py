@@ -156,10 +156,11 @@ def test_roberta_aliases_parity_and_classifier_head(model_type):
 def test_decoders_parity_regions_skips_and_cached_generate(model_type):
     """Full path equals eager at two padded shapes; each layer's attention and MLP branch is
     prunable and skipping it equals eager with that branch adding zero (post-norms, multipliers
-    and soft-capping included); the KV-cached decoder, compiled as on CUDA (stacked projections:
-    q / k norms per head in Qwen3, over the whole projection in OLMo 2; Phi-3's come stacked),
-    generates HF's greedy tokens, one token a step and with n-gram drafts (several a step,
-    each row's rejected slots masked: a sliding window must count positions, not slots)."""
+    and soft-capping included); the KV-cached decoder generates HF's greedy tokens, one token a
+    step and with n-gram drafts (several a step, each row's rejected slots masked: a sliding
+    window must count positions, not slots). Both graphs are compiled as on CUDA (stacked
+    projections: q / k norms per head in Qwen3, over the whole projection in OLMo 2; Phi-3's
+    come stacked)."""
     from conftest import eager_outputs, max_diff, random_batch
     from test_decoder import PROMPTS, _hf_new_tokens
     from test_skip import _reference_without
@@ -167,7 +168,8 @@ def test_decoders_parity_regions_skips_and_cached_generate(model_type):
 
     model = tiny_model(model_type)
     compiled = rbcompile.compile(model, stack_projections=True)
-    assert len(stacks(compiled.decoder.module)) == (0 if model_type == "phi3" else 4)
+    for module in (compiled.module, compiled.decoder.module):   # the main graph stacks too
+        assert len(stacks(module)) == (0 if model_type == "phi3" else 4)
     for batch, seq in ((2, 12), (3, 21)):
         ids, mask = random_batch(batch, seq, seed=seq)  # the last row left-padded
         assert max_diff(compiled(ids, mask), eager_outputs(model, ids, mask)) <= 1e-5

@@ -46,23 +46,26 @@ def test_decoder_graph_writes_the_cache_in_the_skeleton_and_gates_the_mlps(saved
 
 
 def _stacks(compiled) -> dict:
-    """stacked key -> (the decoder's stack, the main module's parts), as buffers."""
+    """stacked key -> (the stack, its parts) of each module, as buffers."""
     from rbcompile.module import stacks
 
-    main, decoder = compiled.module, compiled.decoder.module
-    by_key = {key: name for name, key in main.PARAMETERS.items()}
-    own = {key: name for name, key in decoder.PARAMETERS.items()}
-    return {key: (decoder.get_buffer(own[key]), [main.get_buffer(by_key[p]) for p in parts])
-            for key, parts in stacks(decoder).items()}
+    found = {}
+    for module in (compiled.module, compiled.decoder.module):
+        by_key = {key: name for name, key in module.PARAMETERS.items()}
+        for key, parts in stacks(module).items():
+            found.setdefault(key, []).append(
+                (module.get_buffer(by_key[key]), [module.get_buffer(by_key[p]) for p in parts]))
+    return found
 
 
-def test_the_decoder_stacks_projections_the_main_module_reads_as_views(
-        tiny_checkpoints, calib_file, monkeypatch, tmp_path):
+def test_projections_are_stacked_over_one_copy_of_the_weights(
+        tiny_checkpoints, calib_file, calibrated_tiny, monkeypatch, tmp_path):
     """Compiled as on CUDA (`--kernels --stack-projections`), q / k / v and gate / up are one
-    matmul each in the decoder (4 per layer, not 7), and a calibrated one (permuted weights,
-    width levels) still generates HF's tokens; the stacks are made at load from the parts the
-    artifact stores, and the main module's parts are views of them (the weights are held
-    once), also after `to(device)`."""
+    matmul each (4 per layer, not 7) in the decoder and in the main graph, calibrated (permuted
+    weights, width levels): the main module's outputs at full and narrower widths are the
+    unstacked artifact's, and the decoder still generates HF's tokens. The stacks are made at
+    load from the parts the artifact stores; both modules hold the same stacks, and every part
+    is a view of its stack (the weights are held once), also after `to(device)`."""
     from safetensors import safe_open
 
     from rbcompile.cli import main
@@ -75,25 +78,37 @@ def test_the_decoder_stacks_projections_the_main_module_reads_as_views(
     ops = {node[1] for node in compiled.decoder.ir["nodes"]}
     assert "rbcompile.rotary_write_kv.default" in ops
     layers = compiled.decoder.shape.layers
-    linears = [node for node in compiled.decoder.ir["nodes"] if node[1] == "aten.linear.default"]
-    assert len(linears) == 4 * layers + 1  # + the LM head
+    for ir, head in ((compiled.decoder.ir, 1), (compiled.ir, 1)):  # + the LM head
+        assert sum(node[1] == "aten.linear.default" for node in ir["nodes"]) == 4 * layers + head
     stacks = _stacks(compiled)
     assert [key.rsplit(".", 1)[1] for key in stacks] == \
         ["q_proj_k_proj_v_proj_weight", "gate_proj_up_proj_weight"] * layers
-    for stack, parts in stacks.values():
-        assert all(part._base is stack for part in parts)
-        assert torch.equal(torch.cat(parts), stack)
+    for held in stacks.values():
+        (stack, _), _ = held
+        assert len(held) == 2 and all(s is stack for s, _ in held)   # one stack for both modules
+        for _, parts in held:
+            assert all(part._base is stack for part in parts)
+            assert torch.equal(torch.cat(parts), stack)
     with safe_open(str(folder / "weights.safetensors"), "pt") as stored:
         keys = set(stored.keys())
-    assert not keys & set(stacks) and set(compiled.module.PARAMETERS.values()) <= keys
+    held_keys = {*compiled.module.PARAMETERS.values(), *compiled.decoder.module.PARAMETERS.values()}
+    assert keys == held_keys - set(stacks)
+    unstacked = calibrated_tiny["llama"]
+    ids = PROMPTS.clamp_min(3)
     mask = (PROMPTS != 0).long()
+    gates = [gate % 2 == 0 for gate in range(compiled.num_gates)]
+    for options in ({}, {"widths": [0.5] * compiled.num_gates}, {"gates": gates},
+                    {"widths": [0.75] * compiled.num_gates}):
+        want = unstacked(ids, mask, **options)["logits"]
+        assert (compiled(ids, mask, **options)["logits"] - want).abs().max() <= 1e-5, options
     for speculate in ("off", "self"):
         assert compiled.generate(PROMPTS, mask, max_new_tokens=10, speculate=speculate).tokens \
             == _hf_new_tokens(load_hf_model(path), PROMPTS, mask, 10)
     monkeypatch.setattr("rbcompile.compiled.parse_device", torch.device)  # "meta" as a device
     compiled.to("meta")
-    for stack, parts in _stacks(compiled).values():
-        assert stack.device.type == "meta" and all(part._base is stack for part in parts)
+    for held in _stacks(compiled).values():
+        for stack, parts in held:
+            assert stack.device.type == "meta" and all(part._base is stack for part in parts)
 
 
 def test_a_trace_that_writes_no_cache_is_refused(compiled_tiny, monkeypatch):

@@ -60,9 +60,13 @@ def test_fused_full_path_matches_eager_and_gates_still_skip(fused_tiny, arch):
 
 
 def test_fused_artifact_round_trips(fused_tiny, tmp_path):
-    compiled, _ = fused_tiny["bert"]
+    """BERT's q / k / v, stacked with their biases, are stacked again at load."""
+    from rbcompile.module import stacks
+
+    compiled, eager = fused_tiny["bert"]
     loaded = rbcompile.load(compiled.save(tmp_path / "fused"))
     assert "import rbcompile.kernels" in loaded.source
+    assert len(stacks(loaded.module)) == 2 * eager.config.num_hidden_layers   # weights, biases
     ids, mask = _inputs()
     assert torch.equal(loaded(ids, mask)["last_hidden_state"], compiled(ids, mask)["last_hidden_state"])
 

@@ -1,14 +1,16 @@
-"""One decode step of the artifact's KV-cached decoder, with and without stacked projections
-(q / k / v and gate / up as one matmul each: passes/fuse_projections.py), on real weights.
+"""What stacked projections (q / k / v and gate / up as one matmul each:
+passes/fuse_projections.py) do to a prefill and to a decode step, on real weights.
 
-    python benchmarks/bench_decode_step.py [--model smollm2-135m] [--batches 1 8]
+    python benchmarks/bench_stacking.py [--model smollm2-135m] [--batches 1 8]
         [--context 128] [--rounds 40] [--threads 2] [--device cpu|cuda] [--json PATH]
 
-Both artifacts are compiled here from the same checkpoint, prefilled with the same real text
-(`--context` tokens of Emma per row), then one decode step each is timed in turn (ABBA,
-`common.interleaved_medians`), the same step every round (it writes the same cache slot). Quality
-is the step's logits against the unstacked decoder's: max abs difference and whether every
-row's next token (argmax) is the same. Writes benchmarks/results/bench_decode_step.json.
+Both artifacts are compiled here from the same checkpoint. Per batch size, on the same real
+text (`--context` tokens of Emma per row): a prefill (the main module's full path over the
+rows) and one decode step of the KV-cached decoder after prefilling them (the same step every
+round: it writes the same cache slot), each timed for both artifacts in turn (ABBA,
+`common.interleaved_medians`). Quality is the logits against the unstacked artifact's: max abs
+difference and whether every position's top token is the same. Writes
+benchmarks/results/bench_stacking.json.
 """
 from __future__ import annotations
 
@@ -58,32 +60,37 @@ def main(argv=None):
         print(f"# compiled {name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     tokenizer = load_tokenizer(resolve_checkpoint(args.model))
     rows = []
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     for batch in args.batches:
-        input_ids, _ = text_windows(tokenizer, batch, args.context)
-        steps = {name: prefilled(compiled, input_ids.to(args.device))
-                 for name, compiled in variants.items()}
-        with torch.no_grad():
-            logits = {name: variants[name].decoder(*steps[name]) for name in variants}
-            sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-            times = interleaved_medians(
-                {name: (lambda n=name: (variants[n].decoder(*steps[n]), sync())) for name in variants},
-                args.rounds)
-        base = times["unstacked"]["median_ms"]
-        for name in variants:
-            diff = (logits[name] - logits["unstacked"]).abs().max().item()
-            same = bool(torch.equal(logits[name].argmax(-1), logits["unstacked"].argmax(-1)))
-            rows.append({"batch": batch, "decoder": name, "median_ms": times[name]["median_ms"],
-                         "min_ms": times[name]["min_ms"], "speedup": base / times[name]["median_ms"],
-                         "max_abs_logit_diff": diff, "same_next_tokens": same})
-    print(f"one decode step of {args.model} ({args.device}, {args.threads} threads, context "
-          f"{args.context}), median of {args.rounds} interleaved rounds; quality vs unstacked")
+        input_ids, mask = text_windows(tokenizer, batch, args.context)
+        input_ids, mask = input_ids.to(args.device), mask.to(args.device)
+        steps = {name: prefilled(compiled, input_ids) for name, compiled in variants.items()}
+        runs = {"prefill": {name: (lambda n=name: variants[n](input_ids, mask)["logits"])
+                            for name in variants},
+                "decode step": {name: (lambda n=name: variants[n].decoder(*steps[n]))
+                                for name in variants}}
+        for kind, run in runs.items():
+            with torch.no_grad():
+                logits = {name: fn() for name, fn in run.items()}
+                times = interleaved_medians({name: (lambda fn=fn: (fn(), sync()))
+                                             for name, fn in run.items()}, args.rounds)
+            base = times["unstacked"]["median_ms"]
+            for name in variants:
+                diff = (logits[name] - logits["unstacked"]).abs().max().item()
+                same = bool(torch.equal(logits[name].argmax(-1), logits["unstacked"].argmax(-1)))
+                rows.append({"batch": batch, "run": kind, "artifact": name,
+                             "median_ms": times[name]["median_ms"], "min_ms": times[name]["min_ms"],
+                             "speedup": base / times[name]["median_ms"],
+                             "max_abs_logit_diff": diff, "same_top_tokens": same})
+    print(f"{args.model} ({args.device}, {args.threads} threads, {args.context} tokens per row), "
+          f"median of {args.rounds} interleaved rounds; quality vs unstacked")
     print_table([{**row, "median_ms": f"{row['median_ms']:.2f}", "min_ms": f"{row['min_ms']:.2f}",
                   "speedup": f"{row['speedup']:.2f}x",
                   "max_abs_logit_diff": f"{row['max_abs_logit_diff']:.1e}"} for row in rows],
-                [("batch", "batch"), ("decoder", "decoder"), ("median_ms", "median ms"),
+                [("batch", "batch"), ("run", "run"), ("artifact", "artifact"), ("median_ms", "median ms"),
                  ("min_ms", "min ms"), ("speedup", "vs unstacked"),
-                 ("max_abs_logit_diff", "max |logit diff|"), ("same_next_tokens", "same tokens")])
-    path = write_json("bench_decode_step", {"model": args.model, "device": args.device,
+                 ("max_abs_logit_diff", "max |logit diff|"), ("same_top_tokens", "same top tokens")])
+    path = write_json("bench_stacking", {"model": args.model, "device": args.device,
                                             "context": args.context, "rounds": args.rounds,
                                             "rows": rows}, args.json)
     print(f"wrote {path}")
