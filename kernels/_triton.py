@@ -83,5 +83,12 @@ if triton is not None:
         row = (pid // col_tiles) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         col = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         return row, col, (row[:, None] < n_rows) & (col[None, :] < n_cols)
+
+    @triton.jit
+    def head_rows(row, heads, tokens):
+        """(batch, head, token) in int64 of rows of a `[batch, heads, tokens, ...]` tensor
+        (the head-wide kernels' rows)."""
+        row64 = row.to(tl.int64)
+        return row64 // tokens // heads, (row64 // tokens) % heads, row64 % tokens
 else:
-    cast = tile_offsets = None
+    cast = head_rows = tile_offsets = None

@@ -20,7 +20,7 @@ over both; else it takes the reference, `rotary` of each.
 """
 import torch
 
-from ._triton import cast, interpreting, tile_offsets, tl, triton
+from ._triton import cast, head_rows, interpreting, tile_offsets, tl, triton
 from .configs import tiles
 from .registry import kernel_op
 
@@ -44,10 +44,7 @@ if triton is not None:
         """One tile of `x` rotated into `out`; with SLOTS, token t goes to out's token
         `pos_ptr[t]` (a cache slot), else to token t."""
         row, col, mask = tile_offsets(n_rows, half, BLOCK_ROWS, BLOCK_N)
-        row64 = row.to(tl.int64)
-        t = row64 % tokens
-        h = (row64 // tokens) % heads
-        b = row64 // tokens // heads
+        b, h, t = head_rows(row, heads, tokens)
         out_t = t
         if SLOTS:
             out_t = tl.load(pos_ptr + t, mask=row < n_rows, other=0).to(tl.int64)

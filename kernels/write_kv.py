@@ -14,7 +14,7 @@ reference.
 """
 import torch
 
-from ._triton import tile_offsets, tl, triton
+from ._triton import head_rows, tile_offsets, tl, triton
 from .configs import tiles
 from .registry import kernel_op
 
@@ -33,10 +33,7 @@ if triton is not None:
         """One tile of `x` [batch, heads, tokens, width] copied to the cache's slots
         `pos_ptr[token]`."""
         row, col, mask = tile_offsets(n_rows, width, BLOCK_ROWS, BLOCK_N)
-        row64 = row.to(tl.int64)
-        t = row64 % tokens
-        h = (row64 // tokens) % heads
-        b = row64 // tokens // heads
+        b, h, t = head_rows(row, heads, tokens)
         slot = tl.load(pos_ptr + t, mask=row < n_rows, other=0).to(tl.int64)
         d = col.to(tl.int64)[None, :]
         x = tl.load(x_ptr + (b * x_b + h * x_h + t * x_t)[:, None] + d * x_d, mask=mask)
