@@ -71,6 +71,21 @@ def _drain_masked() -> None:
 
 
 _commits = 0  # outputs put in place by this process (see `commits`)
+_stop: BaseException | None = None  # the stop a command's signal handler raised (`note_stop`)
+
+
+def note_stop(stop: BaseException | None) -> None:
+    """A command's signal handler notes the exception it raises to stop the command (None: the
+    command has ended). Should code swallow it (a library catching what a C++ binding made of a
+    KeyboardInterrupt, and going on), `write_file` / `write_folder` raise it again instead of
+    putting the output in place: a stopped command keeps its promise of the old output."""
+    global _stop
+    _stop = stop
+
+
+def _raise_noted_stop() -> None:
+    if _stop is not None:
+        raise _stop
 
 
 def commits() -> int:
@@ -144,6 +159,7 @@ def write_file(path, write: Callable[[Path], T]) -> T:
     try:
         result = write(tmp)
         with signals_held():
+            _raise_noted_stop()
             tmp.chmod(0o666 & ~_umask())
             os.replace(tmp, path)
             commit_output()
@@ -176,6 +192,7 @@ def write_folder(out_dir, write: Callable[[Path], T], owned: Owned, kind: str) -
             file.chmod(0o666 & ~umask)
         tmp.chmod(0o777 & ~umask)
         with signals_held(), locked(out_dir.parent):
+            _raise_noted_stop()
             check_replaceable(out_dir, owned, kind)  # again: another writer may have been here
             _swap(tmp, out_dir)
             commit_output()  # the new folder is in place: "stopped" would now be false

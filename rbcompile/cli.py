@@ -12,7 +12,7 @@ import sys
 import threading
 from functools import partial
 
-from .atomic import commits
+from .atomic import commits, note_stop
 from .errors import check_unicode, first_line
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
@@ -26,7 +26,8 @@ class _Stop:
     """SIGINT / SIGTERM handler of one command: the first signal raises (KeyboardInterrupt /
     Terminated) and is remembered, later ones are ignored so clean-up finishes. A library that
     turns the exception into its own error (transformers' lazy imports do) still ends the
-    command with the signal's exit code, and the records libraries log while the command
+    command with the signal's exit code; code that swallows it gets it back before an output is
+    put in place (`atomic.note_stop`). The records libraries log while the command
     unwinds are dropped: a stopped command prints one line (torch's fake tensors log the
     TypeError a C++ binding may make of the KeyboardInterrupt, with its traceback). Once the
     command's output is in place (`atomic.commit_output`) or the command has ended, a signal
@@ -44,7 +45,9 @@ class _Stop:
         self.received = signum
         self.logging_level = logging.root.manager.disable
         logging.disable(logging.CRITICAL)
-        raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+        stop = KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
+        note_stop(stop)  # raised again before an output is put in place, should it be swallowed
+        raise stop
 
     def install(self) -> dict:
         """Make this the SIGINT / SIGTERM handler (main thread only); returns the ones before."""
@@ -764,9 +767,7 @@ def _run(argv, stop: _Stop) -> int:
     except (KeyboardInterrupt, Terminated, Exception) as exc:
         stopped = stop.exit_code() or (EXIT_SIGINT if isinstance(exc, KeyboardInterrupt) else None)
         if stopped is not None:
-            print(f"rbcompile: {'interrupted' if stopped == EXIT_SIGINT else 'terminated'}",
-                  file=sys.stderr)
-            return stopped
+            return _stopped(stopped)
         if isinstance(exc, UserError):
             print(f"rbcompile: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -777,7 +778,13 @@ def _run(argv, stop: _Stop) -> int:
         return EXIT_INTERNAL
     finally:
         stop.ended = True
-    return stop.exit_code() or EXIT_OK
+        note_stop(None)
+    return _stopped(stop.exit_code()) if stop.received is not None else EXIT_OK  # swallowed
+
+
+def _stopped(code: int) -> int:
+    print(f"rbcompile: {'interrupted' if code == EXIT_SIGINT else 'terminated'}", file=sys.stderr)
+    return code
 
 
 def entry() -> None:

@@ -222,6 +222,34 @@ def test_signal_after_the_output_is_in_place_does_not_stop_the_command(tiny_chec
     assert main(["verify", str(tmp_path / "art")]) == 0
 
 
+def test_a_stop_that_code_swallowed_still_keeps_the_earlier_artifact(artifact, tiny_checkpoints,
+                                                                    tmp_path, monkeypatch, capsys):
+    """A SIGINT whose KeyboardInterrupt a library catches (a C++ binding turns it into a
+    TypeError, and the caller goes on) let the compile run on and swap its artifact in, then
+    exit 130: "interrupted", with the earlier artifact gone."""
+    from rbcompile.compiled import CompiledModel
+
+    save = CompiledModel.save
+
+    def swallowed_then_save(self, out_dir):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here
+        except KeyboardInterrupt:
+            pass
+        return save(self, out_dir)
+
+    target = _copy(artifact, tmp_path / "art")
+    before = _snapshot(target)
+    monkeypatch.setattr(CompiledModel, "save", swallowed_then_save)
+    assert main(["compile", str(tiny_checkpoints["gpt2"]), "-o", str(target)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "rbcompile: interrupted"
+    assert _snapshot(target) == before
+    _no_leftovers(tmp_path, "art")
+    monkeypatch.undo()  # the next command is not stopped by the one before
+    assert main(["compile", str(tiny_checkpoints["gpt2"]), "-o", str(target)]) == 0
+
+
 def test_signal_while_the_process_exits_leaves_its_exit_code():
     """After the command, CPython finalises (torch's teardown takes a while) with the default
     handlers back in place of Python ones: a SIGTERM then killed the process (-15) whose
