@@ -5,6 +5,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 , := ,
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each taking a whole test file at a
+# time (its module fixtures are built once): the tests are mostly single-threaded tracing, so
+# on 2 cores 2 workers take ~0.6x the time of one. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install demo test test-ray bench curves tidal engines clean
 
@@ -34,7 +39,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rbcompile run build/smollm2-135m --text "The capital of France is" --max-new-tokens 8 --budget 0.1
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) $(PYTEST) tests
 
 # `serve --ray` on a local 2-replica Ray Serve app. A venv of its own: ray[serve] adds uvicorn's
 # uvloop and httptools, which would change what `rbcompile serve` runs on in $(VENV). Every
@@ -75,7 +80,7 @@ $(STACKS:%=.venv-%/.installed): .venv-%/.installed: pyproject.toml .venv-%/const
 	touch $@
 
 $(STACKS:%=test-%): test-%: .venv-%/.installed
-	TRITON_INTERPRET=1 .venv-$*/bin/python -m pytest -q tests
+	TRITON_INTERPRET=1 .venv-$*/bin/python $(PYTEST) tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_latency.py
