@@ -73,17 +73,18 @@ def baked_widths(compiled, budget: float | None) -> list[float] | None:
 
 def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                scale=None, enable_gqa=False):
-    """SDPA with torch's result for a query row whose every key is masked: 0. The exporter's
-    attention with an additive float mask (`share_attention_masks` gives every attention one)
-    gives NaN there, and a padded row's NaN reaches the others through the next layer's keys.
-    (A NaN from the inputs becomes 0 here too, where torch would pass it on.)"""
+    """SDPA with torch's result for a query row whose every key is masked (-inf): 0. The
+    exporter's attention with an additive float mask (`share_attention_masks` gives every
+    attention one) gives NaN there, and a padded row's NaN reaches the others through the next
+    layer's keys. Only those rows are zeroed: a NaN the inputs carry passes on, as in torch."""
     import torch
 
     out = torch.ops.aten.scaled_dot_product_attention.default(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if attn_mask is None or attn_mask.dtype == torch.bool:
         return out  # the exporter's bool-mask attention already gives 0
-    return torch.where(torch.isnan(out), torch.zeros((), dtype=out.dtype, device=out.device), out)
+    fully_masked = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)
+    return torch.where(fully_masked, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
 class _ExportAten:

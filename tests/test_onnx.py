@@ -61,6 +61,25 @@ def test_tiny_parity_three_gate_settings_two_shapes(tiny_onnx, arch):
         _parity(f"tiny {arch} {batch}x{seq}", compiled, path, *random_batch(batch, seq))
 
 
+def test_a_nan_in_the_weights_passes_through_the_attention_as_in_torch(tmp_path):
+    """The export's attention turns the NaN of a query row whose every key is masked into 0, as
+    torch does; a NaN the weights carry passes through, as in torch (it was zeroed too)."""
+    from conftest import make_tiny_model
+
+    eager = make_tiny_model("llama")
+    with torch.no_grad():
+        eager.model.layers[0].self_attn.v_proj.weight[3, :] = float("nan")
+    compiled = rbcompile.compile(eager)
+    path = export_onnx(compiled, tmp_path / "nan.onnx", validate=False).path
+    input_ids, attention_mask = random_batch(2, 9)  # the second row left-padded
+    gates = [True] * compiled.num_gates
+    want = compiled(input_ids, attention_mask, gates=gates)["logits"]
+    got = OnnxRunner(compiled, path)(input_ids, attention_mask, gates=gates)["logits"]
+    valid = attention_mask.bool()
+    assert torch.isnan(want[valid]).all()
+    assert torch.equal(torch.isnan(got[valid]), torch.isnan(want[valid]))
+
+
 def test_real_minilm_parity(minilm, tmp_path):
     compiled, _, tokenizer = minilm
     path = export_onnx(compiled, tmp_path / "minilm.onnx", validate=False).path
