@@ -20,7 +20,12 @@ artifact runtime (`CompiledModel.use_cuda_graphs`) and the torch.compile backend
   except inputs `in_place(tensor)` accepts (a static KV cache marked with
   `torch._dynamo.mark_static_address`, buffers the caller owns), which the graph reads where they
   are; their addresses are part of the key. Outputs are copied out, so a later replay never
-  overwrites what a caller holds.
+  overwrites what a caller holds;
+- cheap to repeat: a call whose in-place inputs are the very tensor objects the last replayed
+  graph read (a decode step's 2 x layers cache tensors, step after step) is matched to that
+  graph by identity and the other inputs' keys, without keying every input again. A tensor
+  object keeps its shape, dtype and address unless changed in place (`set_`, `resize_`), which
+  an in-place input must not be.
 
 The capture itself is a function `(run, static_inputs) -> (replay, static_outputs)`:
 `cuda_capture` on a GPU, a fake one in the CPU tests.
@@ -28,6 +33,7 @@ The capture itself is a function `(run, static_inputs) -> (replay, static_output
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -76,6 +82,7 @@ def cuda_free_fraction(inputs) -> float:
 class GraphStats:
     captures: int = 0
     replays: int = 0
+    repeats: int = 0            # of those, found by identity as the last replay's repeat
     eager_calls: int = 0        # calls before capture, or without room to capture
     evictions: int = 0
     released: int = 0           # graphs dropped with the tensors they read in place (`forget`)
@@ -91,6 +98,19 @@ class _Graph:
     outputs: object
 
 
+@dataclass
+class _LastReplay:
+    """The last replayed graph and what identifies a call to it again: its key, the in-place
+    inputs (as objects) and the other inputs' keys."""
+    key: tuple
+    graph: _Graph
+    size: int                # number of inputs
+    in_place: tuple          # positions of the in-place inputs
+    objects: tuple           # the tensors at those positions
+    others: tuple            # the other positions
+    others_key: tuple        # their keys
+
+
 def is_static_address(value) -> bool:
     """True for tensors marked with `torch._dynamo.mark_static_address` (HF's StaticCache)."""
     return getattr(value, "_dynamo_static_input_type", None) is not None
@@ -103,7 +123,14 @@ def plan_key(gates, widths) -> tuple:
 
 def _frozen(value):
     """A hashable stand-in for a non-tensor input (lists and tuples become tuples)."""
-    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+    if not isinstance(value, (list, tuple)):
+        return value
+    value = tuple(value)
+    try:
+        hash(value)  # flat (a plan's gates): hashed in C, not walked here
+        return value
+    except TypeError:
+        return tuple(_frozen(v) for v in value)
 
 
 def _clone_outputs(outputs):
@@ -135,6 +162,7 @@ class GraphCache:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: dict[tuple, int] = {}      # keys not captured yet: times seen
         self._uncapturable: set[tuple] = set()
+        self._last: _LastReplay | None = None  # holds tensors only while its graph is kept
         self._lock = threading.Lock()
         self.stats = GraphStats()
 
@@ -155,17 +183,23 @@ class GraphCache:
         """`run(*inputs)`, through the graph captured for `key` (plus the tensor inputs' shapes
         and dtypes, the addresses of the in-place ones and the other inputs' values) when there
         is one."""
-        key = (key, self._input_key(inputs))
         with self._lock:
-            graph = self._graphs.get(key)
-            if graph is None and key not in self._uncapturable:
-                if len(self._seen) >= _MAX_SEEN:  # shapes that never repeat: forget them
-                    self._seen.clear()
-                self._seen[key] = self._seen.get(key, 0) + 1
-                if self._seen[key] >= self.capture_after:
-                    graph = self._try_capture(key, inputs)
+            graph = self._repeated(key, inputs)
+            self.stats.repeats += graph is not None
+            if graph is None:
+                input_keys = self._input_keys(inputs)
+                full_key = (key, input_keys)
+                graph = self._graphs.get(full_key)
+                if graph is None and full_key not in self._uncapturable:
+                    if len(self._seen) >= _MAX_SEEN:  # shapes that never repeat: forget them
+                        self._seen.clear()
+                    self._seen[full_key] = self._seen.get(full_key, 0) + 1
+                    if self._seen[full_key] >= self.capture_after:
+                        graph = self._try_capture(full_key, inputs)
+                if graph is not None:
+                    self._graphs.move_to_end(full_key)
+                    self._remember(key, graph, inputs, input_keys)
             if graph is not None:
-                self._graphs.move_to_end(key)
                 for position, buffer in graph.copied:
                     buffer.copy_(inputs[position])
                 graph.replay()
@@ -174,12 +208,33 @@ class GraphCache:
             self.stats.eager_calls += 1
         return self.run(*inputs)
 
-    def _input_key(self, inputs) -> tuple:
-        """Per input: a tensor's shape, dtype and (read in place) address, else its value. One
-        pass over the inputs: a decode step has two cache tensors per layer."""
+    def _input_keys(self, inputs, positions=None) -> tuple:
+        """Per input (at `positions`, default all): a tensor's shape, dtype and (read in place)
+        address, else its value. One pass: a decode step has two cache tensors per layer."""
         in_place = self.in_place
+        if positions is not None:
+            inputs = map(inputs.__getitem__, positions)
         return tuple((v.shape, v.dtype, v.data_ptr() if in_place(v) else None)
                      if isinstance(v, torch.Tensor) else _frozen(v) for v in inputs)
+
+    def _repeated(self, key: tuple, inputs) -> _Graph | None:
+        """The last replayed graph, if this call is one to it again (see the module
+        docstring); else None."""
+        last = self._last
+        if (last is None or len(inputs) != last.size or key != last.key
+                or not all(map(operator.is_, map(inputs.__getitem__, last.in_place),
+                               last.objects))
+                or self._input_keys(inputs, last.others) != last.others_key):
+            return None
+        return last.graph
+
+    def _remember(self, key: tuple, graph: _Graph, inputs, input_keys: tuple) -> None:
+        in_place = tuple(i for i, v in enumerate(inputs)
+                         if isinstance(v, torch.Tensor) and self.in_place(v))
+        others = tuple(sorted(set(range(len(inputs))) - set(in_place)))
+        self._last = _LastReplay(key, graph, len(inputs), in_place,
+                                 tuple(inputs[i] for i in in_place), others,
+                                 tuple(input_keys[i] for i in others))
 
     def _try_capture(self, key: tuple, inputs) -> _Graph | None:
         copied = [isinstance(v, torch.Tensor) and not self.in_place(v) for v in inputs]
@@ -201,6 +256,7 @@ class GraphCache:
             return None
         while len(self._graphs) >= self.max_graphs:  # evicted once the new one is captured
             self._graphs.popitem(last=False)
+            self._last = None
             self.stats.evictions += 1
         graph = self._graphs[key] = _Graph(
             replay, static, [(i, static[i]) for i, copy in enumerate(copied) if copy], outputs)
@@ -220,9 +276,11 @@ class GraphCache:
                                for value in graph.inputs)]:
                 del self._graphs[key]
                 self.stats.released += 1
+                self._last = None
 
     def clear(self) -> None:
         with self._lock:
             self._graphs.clear()
+            self._last = None
             self._seen.clear()
             self._uncapturable.clear()

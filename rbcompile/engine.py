@@ -387,10 +387,12 @@ class BatchEngine:
                for request, draft in zip(self.running, drafts)]
         ids += [[0] * width] * (rows.stop - active)
         mask, positions = cache.attention_mask(rows), cache.positions(rows)
-        mask[active:], positions[active:] = 1, 0  # idle rows: finite values in their own rows
-        offsets = torch.arange(width, device=device)
+        if rows.stop > active:  # idle rows: finite values in their own rows
+            mask[active:], positions[active:] = 1, 0
+        offsets = cache.slots[:width]
         logits = self.step_fn(torch.tensor(ids, device=device), mask,
-                              positions[:, None] + offsets, cache.length + offsets,
+                              positions[:, None] + offsets,
+                              cache.slots[cache.length:cache.length + width],
                               offsets, cache.views(rows), gates=self._gates(self.running))[:active]
         emitted = self._verify(logits, drafts)
         cache.advance_rows([len(tokens) - 1 for tokens in emitted], width)

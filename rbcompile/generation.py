@@ -92,7 +92,7 @@ class ModelRunner:
         from slot `length + offset` on (the cache's idle rows run copies of the last row)."""
         attention_mask, position_ids, cache_position = self.cache.inputs(tokens.shape[1], offset)
         rows, count = tokens.shape
-        logit_positions = torch.arange(count - 1 if last_only else 0, count, device=tokens.device)
+        logit_positions = self.cache.slots[count - 1 if last_only else 0:count]
         step = self.draft_step if light else self.step
         if rows < self.cache.batch:  # a batch bucket's idle rows (CUDA graphs)
             tokens = tokens[padded_rows(rows, self.cache.batch, tokens.device)]
@@ -327,15 +327,16 @@ class Scheduler:
             self._resumed = perf_counter()
             logits = self.runner.forward(self.prompt_ids, last_only=True)
             self.cache.commit(self.prompt_ids.shape[1])
-            first = self.sampling.choose(logits[:, -1], self.generator).tolist()
-            yield from self._emit(self._advance([[token] for token in first]))
+            first = self.sampling.choose(logits[:, -1], self.generator)
+            yield from self._emit(self._advance([[token] for token in first.tolist()], first))
             while self.rows:
                 mode = self.policy.choose()
                 started = perf_counter()
-                emitted, drafted, kept = self._decode_step(self.drafters.get(mode))   # kept: mean per row
+                # kept: mean per row; last: each row's last token on the device, or None
+                emitted, drafted, kept, last = self._decode_step(self.drafters.get(mode))
                 self.policy.record(mode, kept + 1, perf_counter() - started, drafted, kept)
                 self.stats.record_step(mode, len(self.rows), kept + 1, drafted, kept)
-                yield from self._emit(self._advance(emitted))
+                yield from self._emit(self._advance(emitted, last))
             self.stats.seconds += perf_counter() - self._resumed
         finally:
             self.cache.release()
@@ -351,14 +352,16 @@ class Scheduler:
 
     def _decode_step(self, drafter: Drafter | None):
         """Run one full step; (tokens each row emits, drafts per row, mean drafts kept per
-        row). Each row keeps its own drafts (the cache masks what a row rejected)."""
+        row, each row's last token as a device tensor when the step has one). Each row keeps
+        its own drafts (the cache masks what a row rejected)."""
         budget = min(self.draft_tokens,
                      max(self.criteria.max_new_tokens - len(row.tokens) for row in self.rows) - 1)
         drafts = drafter.propose(self.pending, budget) if drafter and budget > 0 else None
         if drafts is None:
             logits = self.runner.forward(self.pending[:, None])
             self.cache.commit(1)
-            return [[token] for token in self.sampling.choose(logits[:, -1], self.generator).tolist()], 0, 0.0
+            chosen = self.sampling.choose(logits[:, -1], self.generator)
+            return [[token] for token in chosen.tolist()], 0, 0.0, chosen
         logits = self.runner.forward(torch.cat([self.pending[:, None], drafts.tokens], 1))
         verdicts = [verify(self.sampling, logits[row], drafts.tokens[row],
                            None if drafts.probs is None else drafts.probs[row], self.generator)
@@ -367,11 +370,13 @@ class Scheduler:
         emitted = [draft[:row_kept] + [following]
                    for draft, (row_kept, following) in zip(drafts.tokens.tolist(), verdicts)]
         self.cache.commit_rows(kept)
-        return emitted, drafts.tokens.shape[1], sum(kept) / len(kept)
+        return emitted, drafts.tokens.shape[1], sum(kept) / len(kept), None
 
-    def _advance(self, emitted: list[list[int]]) -> list[tuple[int, int]]:
+    def _advance(self, emitted: list[list[int]], last: torch.Tensor | None = None
+                 ) -> list[tuple[int, int]]:
         """Append each row's emitted tokens up to where it finishes; drop finished rows.
-        Returns the (row, token) events."""
+        `last`: each row's last emitted token, already on the device (the next step's input
+        without a copy from the host). Returns the (row, token) events."""
         events, keep = [], []
         for position, (row, tokens) in enumerate(zip(self.rows, emitted)):
             for token in tokens:
@@ -383,8 +388,11 @@ class Scheduler:
                 keep.append(position)
         for drafter in self.drafters.values():
             drafter.observe(emitted)
-        self.pending = torch.tensor([emitted[position][-1] for position in keep],
-                                    dtype=torch.long, device=self.prompt_ids.device)
+        if last is not None and len(keep) == len(self.rows):
+            self.pending = last
+        else:
+            self.pending = torch.tensor([emitted[position][-1] for position in keep],
+                                        dtype=torch.long, device=self.prompt_ids.device)
         if len(keep) < len(self.rows):
             self.rows = [self.rows[position] for position in keep]
             if keep:

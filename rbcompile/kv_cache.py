@@ -140,10 +140,11 @@ class CachePool:
 
 class StaticKVCache:
     """K/V tensors [batch, kv_heads, slots, head_dim] (k0, v0, k1, v1, ...), the committed
-    length, each row's next position, and the attention mask [batch, slots]: 0 on each row's
-    left-pad slots and on the slots of drafts that row rejected while another row kept them
-    (so rows of one batch keep different numbers of drafts without moving any K/V). The slot
-    axis grows in `block`s when a step needs more.
+    length, each row's next position, `slots` (arange over the slot axis: a step's slot and
+    position ids are slices of it, no new tensor and on a GPU no launch per step), and the
+    attention mask [batch, slots]: 0 on each row's left-pad slots and on the slots of drafts
+    that row rejected while another row kept them (so rows of one batch keep different numbers
+    of drafts without moving any K/V). The slot axis grows in `block`s when a step needs more.
 
     With a `pool` (CUDA graphs), the batch comes in buckets: its rows are the next power of two
     of the running ones, the rows past those idling as copies of the last running row (the
@@ -163,7 +164,8 @@ class StaticKVCache:
         self.tensors = (pool.take if pool is not None else zeros)(2 * layers, shape, dtype, device)
         self._pooled = pool is not None   # the tensors are the pool's (given back when replaced)
         self.positions = -pads   # each row's position at slot `length` (negative over its pads)
-        self.attention_mask = (torch.arange(max_len, device=device)[None] >= pads[:, None]).long()
+        self.slots = torch.arange(max_len, device=device)  # sliced for slot and position ids
+        self.attention_mask = (self.slots[None] >= pads[:, None]).long()
         self.length = 0
 
     @property
@@ -180,10 +182,9 @@ class StaticKVCache:
         tokens written from slot `length + offset` on; pad slots get position 0, like HF."""
         start = self.length + offset
         self.reserve(start + tokens)
-        cache_position = torch.arange(start, start + tokens, device=self.positions.device)
-        steps = torch.arange(offset, offset + tokens, device=self.positions.device)
+        steps = self.slots[offset:offset + tokens]
         position_ids = (self.positions[:, None] + steps[None]).clamp_min(0)
-        return self.attention_mask, position_ids, cache_position
+        return self.attention_mask, position_ids, self.slots[start:start + tokens]
 
     def commit(self, tokens: int) -> None:
         """The next `tokens` slots of every row now hold K/V of accepted tokens."""
@@ -213,6 +214,7 @@ class StaticKVCache:
                        for t in self.tensors], pooled=False)
         self.attention_mask = torch.cat(
             [self.attention_mask, self.attention_mask.new_ones(self.batch, extra)], 1)
+        self.slots = torch.arange(self.max_len, device=self.slots.device)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only running rows `rows`, in that order (finished rows leave the batch; with a
@@ -268,15 +270,18 @@ class BatchKVCache:
     masks with the pads and holes). With `power_of_two` (CUDA graphs, keyed by the capacity and
     holding the tensors they read) it grows to the next power of two of blocks: a step's graphs
     are one per doubling. The tensors it grew out of go to `on_drop` (the decoder's
-    `forget_cache`: the graphs that read them go too)."""
+    `forget_cache`: the graphs that read them go too). `slots`: arange over the slot axis, as
+    in StaticKVCache."""
 
     def __init__(self, shape: DecoderShape, rows: int, block: int = 64, power_of_two: bool = False,
                  on_drop: Callable[[list[torch.Tensor]], None] | None = None):
         self.shape, self.rows, self.block, self.power_of_two = shape, rows, block, power_of_two
         self.on_drop = on_drop
         self.tensors = self._allocate(block)
+        self._views: tuple = (None, None, None)   # (rows, tensors, their views): see `views`
         self.pads = torch.zeros(rows, dtype=torch.long, device=shape.device)
         self.holes = torch.zeros(rows, block, dtype=torch.bool, device=shape.device)
+        self.slots = torch.arange(block, device=shape.device)
         self.skipped = torch.zeros(rows, dtype=torch.long, device=shape.device)   # holes per row
         self.active = self.length = 0
 
@@ -289,13 +294,16 @@ class BatchKVCache:
         return zeros(2 * s.layers, (self.rows, s.kv_heads, capacity, s.head_dim), s.dtype, s.device)
 
     def views(self, rows: slice) -> list[torch.Tensor]:
-        """The cache tensors of `rows` (views: a step writes into the batch's storage)."""
-        return [tensor[rows] for tensor in self.tensors]
+        """The cache tensors of `rows` (views: a step writes into the batch's storage). The
+        same view objects while the rows and the tensors are the same: a step's CUDA graph
+        knows its in-place inputs again by identity (cuda_graphs.GraphCache)."""
+        if self._views[0] != rows or self._views[1] is not self.tensors:
+            self._views = rows, self.tensors, [tensor[rows] for tensor in self.tensors]
+        return self._views[2]
 
     def attention_mask(self, rows: slice) -> torch.Tensor:
         """[rows, capacity]: 1 on each row's slots from its pad on, but its holes."""
-        slots = torch.arange(self.capacity, device=self.pads.device)
-        return ((slots[None] >= self.pads[rows, None]) & ~self.holes[rows]).long()
+        return ((self.slots[None] >= self.pads[rows, None]) & ~self.holes[rows]).long()
 
     def positions(self, rows: slice) -> torch.Tensor:
         """[rows]: each row's position at slot `length`."""
@@ -403,6 +411,8 @@ class BatchKVCache:
         holes = self.holes.new_zeros(self.rows, grown[0].shape[2])
         holes[:, :self.capacity] = self.holes
         old, self.tensors, self.holes = self.tensors, grown, holes
+        self.slots = torch.arange(self.capacity, device=self.slots.device)
+        self._views = (None, None, None)
         self.drop(old)
 
     def drop(self, tensors: list[torch.Tensor]) -> None:

@@ -165,6 +165,48 @@ def test_in_place_inputs_are_read_where_they_are_and_key_by_address():
     assert cache.stats.captures == 2 and capture.captured[1][1] is other
 
 
+def test_a_repeated_call_replays_its_graph_without_keying_every_input(monkeypatch):
+    """A call whose in-place inputs are the objects the last replay read (a decode step's cache)
+    is matched by identity and the other inputs' keys: only those are keyed again. Any change
+    the full key sees still picks another graph: another plan, another shape or value of the
+    other inputs, another in-place tensor of the same shape, an in-place tensor at a copied
+    input's place; and a graph dropped since is not replayed."""
+    kv, other = [torch.zeros(3) for _ in range(4)], [torch.ones(3) for _ in range(4)]
+    in_place = {id(t) for t in kv + other}
+    cache, _ = _cache(lambda x, scale, *kv_: sum(kv_) * scale + x,
+                      in_place=lambda t: id(t) in in_place)
+    keyed = []
+    keys = cache._input_keys
+    monkeypatch.setattr(cache, "_input_keys", lambda inputs, positions=None: (
+        keyed.append(len(inputs) if positions is None else len(positions))
+        or keys(inputs, positions)))
+
+    def call(plan, x, scale, tensors):
+        return cache(plan, x, scale, *tensors)
+
+    call("a", torch.ones(3), 2, kv)                     # captured: fully keyed
+    keyed.clear()
+    for step in range(3):
+        kv[0] += 1
+        assert torch.equal(call("a", torch.full((3,), float(step)), 2, kv),
+                           kv[0] * 2 + step)
+    assert keyed == [2, 2, 2] and cache.stats.replays == 4     # x and scale only
+    for change in [("b", torch.ones(3), 2, kv), ("a", torch.ones(1), 2, kv),
+                   ("a", torch.ones(3), 3, kv), ("a", torch.ones(3), 2, other),
+                   ("a", kv[1], 2, [torch.ones(3), *kv[1:]])]:
+        keyed.clear()
+        expected = sum(change[3]) * change[2] + change[1]
+        assert torch.equal(call(*change), expected)
+        assert keyed[-1] == 6                                  # keyed in full: not the last graph
+    assert cache.stats.captures == 6
+    call("a", torch.ones(3), 2, kv)                             # the first graph, replayed
+    assert cache.stats.captures == 6
+    cache.forget(kv)                                            # 5 graphs read kv, 1 other
+    keyed.clear()
+    assert torch.equal(call("a", torch.ones(3), 2, kv), kv[0] * 2 + 1)
+    assert keyed == [6] and cache.stats.released == 5 and cache.stats.captures == 7
+
+
 def test_forgotten_tensors_take_the_graphs_that_read_them_along():
     """`forget(tensors)` drops the graphs that read them (or views of them) in place, so that
     they leave memory; graphs over other tensors stay, and a later call captures anew."""

@@ -240,8 +240,10 @@ def test_decode_steps_replay_one_graph_per_plan(compiled_tiny):
         stats = compiled.decoder.graphs.stats
         assert stats.captures == 1 and stats.replays == 6  # steps 2..8 of T = 1: one capture
         assert stats.eager_calls == 2                      # the prefill and the first step
+        assert stats.repeats == 5        # the steps after the capture: known by identity
         assert compiled.generate(PROMPTS, max_new_tokens=8).tokens == expected
         assert stats.captures == 2 and stats.replays == 6 + 8 and stats.eager_calls == 2
+        assert stats.repeats == 5 + 6    # not the prefill, nor the first step after it
         assert compiled.generate(PROMPTS, max_new_tokens=5).tokens == shorter  # same slots
         assert stats.captures == 2 and stats.replays == 14 + 5
         pool = compiled.decoder.cache_pool

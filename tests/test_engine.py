@@ -332,6 +332,30 @@ def test_decode_steps_run_batch_buckets_under_cuda_graphs(compiled_tiny):
         compiled.use_cuda_graphs(False)
 
 
+def test_steady_decode_steps_replay_by_identity_under_cuda_graphs(compiled_tiny):
+    """The batch's cache views are the same objects from step to step (until the rows or the
+    tensors change), so under (fake) CUDA graphs every decode step after the one that captured
+    is found as the last replay's repeat, without keying its 2 x layers cache tensors again."""
+    from test_cuda_graphs import FakeCapture
+
+    compiled = compiled_tiny["llama"][0]
+    expected = alone(compiled, PROMPTS[2], 12)
+    compiled.use_cuda_graphs(capture=FakeCapture())
+    try:
+        engine = compiled.batch_engine(max_batch=4)
+        request = EngineRequest(PROMPTS[2], 12)
+        drain(engine, [request], {0: [request]})
+        stats = compiled.decoder.graphs.stats
+        assert request.tokens == expected and engine.cache.capacity == 64   # one capacity
+        steps = len(expected) - 1    # the prefill gave the first token
+        assert steps >= 4
+        # the prefill and the first step eager, the second step captured, the others repeats
+        assert (stats.eager_calls, stats.captures, stats.replays, stats.repeats) == (
+            2, 1, steps - 1, steps - 2)
+    finally:
+        compiled.use_cuda_graphs(False)
+
+
 def test_a_grown_cache_takes_the_graphs_that_read_it_along(compiled_tiny):
     """Under (fake) CUDA graphs the engine's cache grows by doubling; the graphs of the steps
     before each growth read tensors the engine no longer uses, and go with them (so those
