@@ -16,6 +16,16 @@ from .base import PassContext, PassReport, erase_unused, graph_pass
 aten = torch.ops.aten
 _RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _ATTENTION = aten.scaled_dot_product_attention.default
+_END = 2 ** 63 - 1   # a slice's end "to the end of the dimension"
+
+
+def _past_whole_slices(node):
+    """`node`, or what it slices when it is a slice that keeps all of its dimension (torch
+    2.11 traces repeat_kv's `x[:, :, None, :, :]` as an unsqueeze and such a slice)."""
+    while (isinstance(node, Node) and node.target is aten.slice.Tensor
+           and tuple(node.args[2:]) in ((), (0,), (None,), (0, _END), (None, _END), (0, _END, 1))):
+        node = node.args[0]
+    return node
 
 
 def _grouped_source(node) -> tuple[Node, int] | None:
@@ -26,7 +36,7 @@ def _grouped_source(node) -> tuple[Node, int] | None:
     expand = node.args[0]
     if not isinstance(expand, Node) or expand.target is not aten.expand.default:
         return None
-    unsqueeze = expand.args[0]
+    unsqueeze = _past_whole_slices(expand.args[0])
     if (not isinstance(unsqueeze, Node) or unsqueeze.target is not aten.unsqueeze.default
             or unsqueeze.args[1] != 2 or len(expand.args[1]) != 5):
         return None

@@ -1,6 +1,7 @@
 """Capture a transformers model as an ATen-level torch.fx graph with torch.export."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -51,11 +52,39 @@ def _export(model, kwargs, dims: dict, family: str):
         return torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
 
 
+@contextlib.contextmanager
+def grouped_attention():
+    """While tracing, transformers' SDPA attention reads grouped K/V heads in place
+    (`enable_gqa=True`) instead of through `repeat_kv` copies: the graph the `gqa_attention`
+    pass makes of the copies, traced without them (their expand + reshape over dynamic shapes
+    was a third of a KV-cached decoder's trace time). transformers' own switch,
+    `use_gqa_in_sdpa`, is patched for the duration; without it, nothing changes and the pass
+    rewrites the copies as before."""
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        sdpa_attention = None
+    original = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if original is None:
+        yield
+        return
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        sdpa_attention.use_gqa_in_sdpa = original
+
+
 def export_or_retry(export, what: str):
-    """`export(dims)` with named dimensions first; where an older torch finds a narrower valid
-    range than that (torch 2.11 on some decoders: "Constraints violated (seq)"), `Dim.DYNAMIC`
-    lets export refine the range instead of failing, and the runtime's own input checks stay in
-    force. Any other failure is a one-line CompileError."""
+    """`export(dims)` (under `grouped_attention`) with named dimensions first; where an older
+    torch finds a narrower valid range than that (torch 2.11 on some decoders: "Constraints
+    violated (seq)"), `Dim.DYNAMIC` lets export refine the range instead of failing, and the
+    runtime's own input checks stay in force. Any other failure is a one-line CompileError."""
+    with grouped_attention():
+        return _export_or_retry(export, what)
+
+
+def _export_or_retry(export, what: str):
     try:
         try:
             return export(None)

@@ -164,6 +164,50 @@ def test_attentions_share_one_additive_mask_per_mask(model_type, masks):
         assert torch.equal(got, want)
 
 
+def _grouped_reads(gm) -> list:
+    return [n.kwargs.get("enable_gqa", False) for n in compute_nodes(gm) if n.target in _ATTENTIONS]
+
+
+def test_grouped_kv_heads_are_read_in_place_traced_or_rewritten(monkeypatch):
+    """A GQA Llama (4 query heads on 2 K/V heads): rbcompile's trace has every attention read
+    the grouped K/V with enable_gqa (transformers' switch, `grouped_attention`), so
+    `gqa_attention` finds no repeat_kv copy; traced without that switch (as dynamo's graphs
+    are) the copies are there and the pass rewrites each of them (torch 2.11 traces them with
+    a slice over a whole dimension more, which the pass missed). Both graphs compute the same
+    outputs, bitwise."""
+    import contextlib
+
+    import rbcompile.trace as trace_module
+    from rbcompile.passes import canonicalize, gqa_attention
+
+    model = make_tiny_model("llama")
+    architecture = lookup(model.config)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    layers = model.config.num_hidden_layers
+
+    def traced_and_rewritten():
+        traced = trace(model, architecture)
+        ctx = PassContext(family=architecture.family, input_names=traced.input_names,
+                          reference_inputs=example_inputs(architecture, model.config.vocab_size))
+        history = run_pipeline(traced.graph_module, ctx, [canonicalize])
+        grouped = _grouped_reads(traced.graph_module)
+        history = run_pipeline(traced.graph_module, ctx, [gqa_attention])
+        rewritten = history[-1]["stats"]["rewritten"]
+        outputs = torch.fx.Interpreter(traced.graph_module).run(ids, mask)
+        assert _grouped_reads(traced.graph_module) == [True] * layers
+        return grouped, rewritten, outputs
+
+    grouped, rewritten, outputs = traced_and_rewritten()
+    assert grouped == [True] * layers and rewritten == 0
+    monkeypatch.setattr(trace_module, "grouped_attention", contextlib.nullcontext)
+    grouped, rewritten, copied_then_rewritten = traced_and_rewritten()
+    assert grouped == [False] * layers and rewritten == layers
+    for got, want in zip(tree_leaves(outputs), tree_leaves(copied_then_rewritten), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_the_backends_decomposed_attentions_share_their_mask_conversion():
     """aot_autograd decomposes each attention with its own `where(mask, 0, -inf)`: the later
     ones are replaced by one made where the mask is."""
