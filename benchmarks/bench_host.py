@@ -25,39 +25,21 @@ import argparse
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import pin_threads, print_table, write_json  # noqa: E402
+from common import OpCounter, pin_threads, print_table, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
 from rbcompile.engine import EngineRequest  # noqa: E402
 from rbcompile.progress import say  # noqa: E402
 
-VIEWS = {"aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default", "aten.view.default",
-         "aten.alias.default", "aten.expand.default", "aten.squeeze.dim", "aten.t.default"}
-
 
 def free_replay(run, static_inputs):
     """A capture whose replay costs nothing: the outputs stay those of the capturing run."""
     return (lambda: None), run(*static_inputs)
-
-
-class OpCounter(TorchDispatchMode):
-    """Tensor ops dispatched while active, views left out (they launch nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) not in VIEWS:
-            self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def tiny_smollm(layers: int):

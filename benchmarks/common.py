@@ -1,6 +1,8 @@
-"""Shared benchmark helpers: pinned threads, models, interleaved timing, medians, tables, JSON."""
+"""Shared benchmark helpers: pinned threads, models, interleaved timing, medians, tables, JSON,
+op counts."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -10,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DATA = Path(__file__).parent / "data"
 RESULTS = Path(__file__).parent / "results"
@@ -80,3 +83,20 @@ def write_json(name: str, payload: dict, path: str | Path | None = None) -> Path
                "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
     path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the tensor ops dispatched inside it, by name (`ops`); views and size queries are
+    left out: they launch no kernel."""
+
+    NOT_KERNELS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.sym_size.int,
+                   torch.ops.aten.sym_stride.int}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func not in self.NOT_KERNELS:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))

@@ -19,24 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import OpCounter  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "count_ops.json"
-aten = torch.ops.aten
-NOT_KERNELS = {aten._unsafe_view.default, aten.sym_size.int, aten.sym_stride.int}  # views, sizes
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ops dispatched inside it, by name; views and size queries are not kernels."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func not in NOT_KERNELS:
-            self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def decode_step_ops(layers: int, kernels: bool, stack: bool) -> collections.Counter:
