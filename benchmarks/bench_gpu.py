@@ -207,7 +207,8 @@ def graph_counts(graphs) -> dict:
         return {}
     stats = graphs.stats
     return {"graph_captures": stats.captures, "graph_replays": stats.replays,
-            "graph_eager_calls": stats.eager_calls, "graph_memory_fallbacks": stats.memory_fallbacks,
+            "graph_repeats": stats.repeats, "graph_eager_calls": stats.eager_calls,
+            "graph_memory_fallbacks": stats.memory_fallbacks,
             "graph_capture_failures": stats.capture_failures}
 
 
