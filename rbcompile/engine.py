@@ -386,11 +386,11 @@ class BatchEngine:
         ids = [[request.tokens[-1], *draft] + [request.tokens[-1]] * (width - 1 - len(draft))
                for request, draft in zip(self.running, drafts)]
         ids += [[0] * width] * (rows.stop - active)
-        mask, positions = cache.attention_mask(rows), cache.positions(rows)
-        if rows.stop > active:  # idle rows: finite values in their own rows
-            mask[active:], positions[active:] = 1, 0
+        positions = cache.positions(rows)
+        if rows.stop > active:  # idle rows: finite positions (their mask is all ones)
+            positions[active:] = 0
         offsets = cache.slots[:width]
-        logits = self.step_fn(torch.tensor(ids, device=device), mask,
+        logits = self.step_fn(torch.tensor(ids, device=device), cache.attention_mask(rows),
                               positions[:, None] + offsets,
                               cache.slots[cache.length:cache.length + width],
                               offsets, cache.views(rows), gates=self._gates(self.running))[:active]

@@ -267,7 +267,10 @@ class BatchKVCache:
     rejected become holes, masked for good, and its positions skip them (`advance_rows`). The
     slot axis grows in `block`s when full, after first trying to compact it: moving every row's
     slots left by the smallest pad changes no attention score (positions travel with the keys,
-    masks with the pads and holes). With `power_of_two` (CUDA graphs, keyed by the capacity and
+    masks with the pads and holes). The attention mask is kept, not rebuilt per step: each
+    active row's is 0 before its pad and on its holes, 1 elsewhere (slots past `length`
+    included), an idle row's 1 everywhere (finite attention over its own garbage). With
+    `power_of_two` (CUDA graphs, keyed by the capacity and
     holding the tensors they read) it grows to the next power of two of blocks: a step's graphs
     are one per doubling. The tensors it grew out of go to `on_drop` (the decoder's
     `forget_cache`: the graphs that read them go too). `slots`: arange over the slot axis, as
@@ -280,7 +283,7 @@ class BatchKVCache:
         self.tensors = self._allocate(block)
         self._views: tuple = (None, None, None)   # (rows, tensors, their views): see `views`
         self.pads = torch.zeros(rows, dtype=torch.long, device=shape.device)
-        self.holes = torch.zeros(rows, block, dtype=torch.bool, device=shape.device)
+        self.mask = torch.ones(rows, block, dtype=torch.long, device=shape.device)
         self.slots = torch.arange(block, device=shape.device)
         self.skipped = torch.zeros(rows, dtype=torch.long, device=shape.device)   # holes per row
         self.active = self.length = 0
@@ -302,8 +305,9 @@ class BatchKVCache:
         return self._views[2]
 
     def attention_mask(self, rows: slice) -> torch.Tensor:
-        """[rows, capacity]: 1 on each row's slots from its pad on, but its holes."""
-        return ((self.slots[None] >= self.pads[rows, None]) & ~self.holes[rows]).long()
+        """[rows, capacity]: 1 on each row's slots from its pad on, but its holes (a view of
+        the kept mask: no op per step)."""
+        return self.mask[rows]
 
     def positions(self, rows: slice) -> torch.Tensor:
         """[rows]: each row's position at slot `length`."""
@@ -320,7 +324,7 @@ class BatchKVCache:
             self._shift(prompt_tokens - self.length)
         self._grow(self.length + 1)   # not `_reserve`: compacting would undo the shift
         self.pads[self.active] = self.length - prompt_tokens
-        self.holes[self.active] = False
+        self.mask[self.active] = self.slots >= self.length - prompt_tokens
         self.skipped[self.active] = 0
         return self.active
 
@@ -352,7 +356,7 @@ class BatchKVCache:
 
     def _copy_row(self, to: int, row: int) -> None:
         self.pads[to], self.skipped[to] = self.pads[row], self.skipped[row]
-        self.holes[to] = self.holes[row]
+        self.mask[to] = self.mask[row]
 
     def leave(self, row: int) -> None:
         """Row `row` leaves; the last active row takes its place."""
@@ -361,6 +365,7 @@ class BatchKVCache:
             for tensor in self.tensors:
                 tensor[row].copy_(tensor[last])
             self._copy_row(row, last)
+        self.mask[last] = 1   # idle
         self.active = last
 
     def reserve_step(self, tokens: int = 1) -> None:
@@ -376,7 +381,7 @@ class BatchKVCache:
         drafts it rejected become holes."""
         for row, count in enumerate(kept):
             if count + 1 < width:
-                self.holes[row, self.length + count + 1:self.length + width] = True
+                self.mask[row, self.length + count + 1:self.length + width] = 0
                 self.skipped[row] += width - 1 - count
         self.length += width
 
@@ -392,13 +397,14 @@ class BatchKVCache:
         """Move the active rows' slots by `by` (right if positive), pads and length with them."""
         self._grow(self.length + by)
         start, end = max(0, -by), self.length
-        for tensor, axis in [(tensor, 2) for tensor in self.tensors] + [(self.holes, 1)]:
+        for tensor, axis in [(tensor, 2) for tensor in self.tensors] + [(self.mask, 1)]:
             rows = tensor[:self.active]
             moved = rows.narrow(axis, start, end - start).clone()
             rows.narrow(axis, start + by, end - start).copy_(moved)
         self.pads[:self.active] += by
         self.length += by
-        self.holes[:, self.length:] = False    # slots past the length are written afresh
+        self.mask[:self.active] *= self.slots >= self.pads[:self.active, None]
+        self.mask[:, self.length:] = 1    # slots past the length are written afresh
 
     def _grow(self, slots: int) -> None:
         """At least `slots` slots, in whole blocks (a power of two of them with `power_of_two`)."""
@@ -408,9 +414,9 @@ class BatchKVCache:
         grown = self._allocate(self.block * (power_of_two_at_least(blocks) if self.power_of_two else blocks))
         for new, old in zip(grown, self.tensors):
             new[:, :, :self.capacity].copy_(old)
-        holes = self.holes.new_zeros(self.rows, grown[0].shape[2])
-        holes[:, :self.capacity] = self.holes
-        old, self.tensors, self.holes = self.tensors, grown, holes
+        mask = self.mask.new_ones(self.rows, grown[0].shape[2])
+        mask[:, :self.capacity] = self.mask
+        old, self.tensors, self.mask = self.tensors, grown, mask
         self.slots = torch.arange(self.capacity, device=self.slots.device)
         self._views = (None, None, None)
         self.drop(old)

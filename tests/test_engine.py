@@ -231,8 +231,9 @@ def test_bad_requests_are_refused_before_they_are_queued(compiled_tiny, prompt, 
 def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(power_of_two):
     """Each row's slots hold (row id, position) pairs, rejected drafts (99, 99); after every
     operation each active row's unmasked slots before `length` hold its own pairs, positions
-    0, 1, 2, ... from its pad on, and `positions` gives its next one. With `power_of_two` (CUDA
-    graphs) the capacity is always a power of two of blocks."""
+    0, 1, 2, ... from its pad on, and `positions` gives its next one; the kept mask is 1 past
+    `length` (the next step's slots) and on idle rows. With `power_of_two` (CUDA graphs) the
+    capacity is always a power of two of blocks."""
     shape = DecoderShape(layers=1, kv_heads=1, head_dim=2, max_positions=512)
     cache = BatchKVCache(shape, rows=3, block=4, power_of_two=power_of_two)
     owners = []   # owner id per cache row
@@ -241,6 +242,7 @@ def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(
     def check():
         capacities.add(cache.capacity)
         mask = cache.attention_mask(slice(0, cache.active))
+        assert mask[:, cache.length:].all() and cache.attention_mask(slice(cache.active, None)).all()
         for row, owner in enumerate(owners):
             visible = [slot for slot in range(cache.length) if mask[row, slot]]
             assert visible[0] == int(cache.pads[row])
@@ -295,6 +297,26 @@ def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(
     blocks = sorted(capacity // cache.block for capacity in capacities)
     assert all(capacity % cache.block == 0 for capacity in capacities) and len(blocks) > 2
     assert all(power_of_two_at_least(n) == n for n in blocks) == power_of_two, blocks
+
+
+def test_compaction_frees_the_slots_of_rejected_drafts_unmasked():
+    """Compacting moves every row's slots left by the smallest pad; the slots it frees past the
+    new length held the last step's rejected drafts (holes), and the next step writes there, so
+    the kept mask must be 1 on them again."""
+    shape = DecoderShape(layers=1, kv_heads=1, head_dim=2, max_positions=512)
+    cache = BatchKVCache(shape, rows=2, block=4)
+    for prompt in (9, 2):                    # the second row's pad: 7, past a block
+        cache.place(prompt)
+        cache.join()
+    cache.reserve_step(4)
+    cache.advance_rows([3, 0], 4)            # row 1 rejects its 3 drafts: holes at the end
+    cache.leave(0)                           # the pad-0 row leaves: the smallest pad is 7
+    length, capacity = cache.length, cache.capacity
+    cache.reserve_step(capacity - length + 1)
+    assert cache.length == length - 7 and int(cache.pads[0]) == 0     # compacted
+    mask = cache.attention_mask(slice(0, 1))[0]
+    assert mask[:cache.length].tolist() == [1] * 3 + [0] * 3           # prompt, token, holes
+    assert mask[cache.length:].all()
 
 
 def test_decode_steps_run_batch_buckets_under_cuda_graphs(compiled_tiny):
