@@ -3,15 +3,17 @@
 #
 # 1. native kernel tests (tests/test_kernels.py with TRITON_INTERPRET=0, on CUDA tensors);
 # 2. kernel benchmark (benchmarks/bench_kernels.py: reference, torch.compile'd reference, Triton);
-# 3. end-to-end benchmark (benchmarks/bench_gpu.py: BERT-base fp16, SmolLM2-sized Llama bf16
+# 3. grouped-head attention (benchmarks/bench_gqa.py: repeat_kv copies vs enable_gqa, bf16, with
+#    a mask: passes/gqa_attention.py keeps the copies on CUDA; this checks that choice);
+# 4. end-to-end benchmark (benchmarks/bench_gpu.py: BERT-base fp16, SmolLM2-sized Llama bf16
 #    prefill and decode, 1B-sized Llama bf16 prefill; eager, inductor, rbcompile; parity).
-# STEPS picks steps (default "test_kernels bench_kernels bench_gpu"; "tune_kernels" sweeps the
+# STEPS picks steps (default "test_kernels bench_kernels bench_gqa bench_gpu"; "tune_kernels" sweeps the
 # kernels' launch configs with benchmarks/tune_kernels.py); DEADLINE_S bounds bench_gpu, CASES
 # picks its cases, SKIP contenders not to run.
 # Each step runs under a timeout, cut to what is left of BUDGET_S (default 450: the issue's
 # 8 minutes, leaving a 15-minute lease room for tune_kernels and a machine start), the
 # end-to-end one also under its own deadline (DEADLINE_S, at most 90 s before its limit). Writes at most
-# 8 files into OUT_DIR (env.txt, the logs, bench_kernels.csv, bench_gpu.json, summary.txt) and
+# 8 files into OUT_DIR (env.txt, 4 logs, bench_kernels.csv, bench_gpu.json, summary.txt) and
 # prints a summary. Exits non-zero with one line when there is no CUDA device or a step fails.
 # Python: ${PYTHON:-python3} (the machine's own: nothing is installed there; rbcompile is laid
 # out as installed in a temporary folder and put on PYTHONPATH unless it imports already).
@@ -64,11 +66,12 @@ step() {  # step NAME TIMEOUT_S COMMAND... : run, log to OUT/NAME.log, remember 
 }
 : > "$OUT/summary.txt"
 rc=0
-for name in ${STEPS:-test_kernels bench_kernels bench_gpu}; do
+for name in ${STEPS:-test_kernels bench_kernels bench_gqa bench_gpu}; do
     case $name in
         tune_kernels) PYTHONPATH="$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" step tune_kernels 150 "$PY" benchmarks/tune_kernels.py --json "$OUT/tune_kernels.json" ;;
         test_kernels) step test_kernels 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py -x ;;
         bench_kernels) step bench_kernels 150 "$PY" benchmarks/bench_kernels.py --csv "$OUT/bench_kernels.csv" ;;
+        bench_gqa) step bench_gqa 60 "$PY" benchmarks/bench_gqa.py --device cuda --dtype bf16 --json - ;;
         bench_gpu) limit=$(( $(left) < 330 ? $(left) : 330 )); deadline=${DEADLINE_S:-240}
                    (( deadline > limit - 90 )) && deadline=$(( limit > 90 ? limit - 90 : 0 ))
                    step bench_gpu 330 "$PY" benchmarks/bench_gpu.py --out "$OUT" --deadline-s "$deadline" \

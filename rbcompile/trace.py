@@ -54,11 +54,12 @@ def _export(model, kwargs, dims: dict, family: str):
 
 @contextlib.contextmanager
 def grouped_attention():
-    """While tracing, transformers' SDPA attention reads grouped K/V heads in place
-    (`enable_gqa=True`) instead of through `repeat_kv` copies: the graph the `gqa_attention`
-    pass makes of the copies, traced without them (their expand + reshape over dynamic shapes
-    was a third of a KV-cached decoder's trace time). transformers' own switch,
-    `use_gqa_in_sdpa`, is patched for the duration; without it, nothing changes and the pass
+    """While tracing a model off CUDA, transformers' SDPA attention reads grouped K/V heads in
+    place (`enable_gqa=True`) instead of through `repeat_kv` copies: the graph the
+    `gqa_attention` pass makes of the copies, traced without them (their expand + reshape over
+    dynamic shapes was a third of a KV-cached decoder's trace time). transformers' own switch,
+    `use_gqa_in_sdpa`, is patched for the duration; on CUDA it decides as it does (the copies,
+    where there is a mask: see the pass). Without the switch nothing changes and the pass
     rewrites the copies as before."""
     try:
         from transformers.integrations import sdpa_attention
@@ -68,7 +69,11 @@ def grouped_attention():
     if original is None:
         yield
         return
-    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
+
+    def use_gqa_in_sdpa(attention_mask, key, *args, **kwargs):
+        return key.device.type != "cuda" or original(attention_mask, key, *args, **kwargs)
+
+    sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
     try:
         yield
     finally:

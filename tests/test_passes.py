@@ -208,6 +208,40 @@ def test_grouped_kv_heads_are_read_in_place_traced_or_rewritten(monkeypatch):
         assert torch.equal(got, want)
 
 
+def test_grouped_kv_heads_keep_their_copies_on_cuda(monkeypatch):
+    """On CUDA an attention with a mask runs a fused kernel only over repeated K/V heads, so
+    the pass leaves the copies there (a graph whose attention reads CUDA tensors: fake ones
+    here), and the trace's switch gives transformers' own decision back on CUDA."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import rbcompile.trace as trace_module
+    from rbcompile.passes import canonicalize, gqa_attention
+    from transformers.integrations import sdpa_attention
+
+    model = make_tiny_model("llama")
+    architecture = lookup(model.config)
+    grouped_attention = trace_module.grouped_attention
+    monkeypatch.setattr(trace_module, "grouped_attention", contextlib.nullcontext)
+    traced = trace(model, architecture)   # with the copies, as transformers makes them on CUDA
+    ctx = PassContext(family=architecture.family, input_names=traced.input_names,
+                      reference_inputs=example_inputs(architecture, model.config.vocab_size))
+    run_pipeline(traced.graph_module, ctx, [canonicalize])
+    with FakeTensorMode():
+        for node in compute_nodes(traced.graph_module):
+            if node.target in _ATTENTIONS:
+                query = node.args[0]
+                query.meta["val"] = torch.empty(query.meta["val"].shape, device="cuda")
+    history = run_pipeline(traced.graph_module, ctx, [gqa_attention])
+    assert history[-1]["stats"]["rewritten"] == 0
+    assert _grouped_reads(traced.graph_module) == [False] * model.config.num_hidden_layers
+    with grouped_attention(), FakeTensorMode():
+        key = torch.empty(1, 2, 5, 8, device="cuda")
+        assert not sdpa_attention.use_gqa_in_sdpa(torch.empty(1, 1, 1, 5, device="cuda"), key, key)
+        assert sdpa_attention.use_gqa_in_sdpa(torch.empty(1, 1, 1, 5), key.to("cpu"), key.to("cpu"))
+
+
 def test_the_backends_decomposed_attentions_share_their_mask_conversion():
     """aot_autograd decomposes each attention with its own `where(mask, 0, -inf)`: the later
     ones are replaced by one made where the mask is."""
