@@ -6,10 +6,10 @@ reshape`, which copies the whole K/V, the entire cache in a decode step, for eve
 call); such an attention reads `x` itself with `enable_gqa=True`, which computes the same
 values (each query head attends to its group's key / value head): on CPU 1.07-3.4x faster than
 the copies and the attention after them (benchmarks/bench_gqa.py: SmolLM2's heads, prefill and
-decode shapes). On CUDA the copies stay: there the fused kernels that take a mask (memory-
-efficient attention) do not take grouped heads and the one that takes grouped heads (flash)
-takes no mask, so with the additive mask every attention here has, `enable_gqa` would run the
-math kernel, which repeats K/V itself (transformers decides the same way for CUDA).
+decode shapes). On CUDA the copies stay: there the fused kernels that take a mask
+(memory-efficient attention) do not take grouped heads and the one that takes grouped heads
+(flash) takes no mask, so with the additive mask every attention here has, `enable_gqa` would
+run the math kernel, which repeats K/V itself (transformers decides the same way for CUDA).
 """
 from __future__ import annotations
 
