@@ -270,11 +270,10 @@ class BatchKVCache:
     masks with the pads and holes). The attention mask is kept, not rebuilt per step: each
     active row's is 0 before its pad and on its holes, 1 elsewhere (slots past `length`
     included), an idle row's 1 everywhere (finite attention over its own garbage). With
-    `power_of_two` (CUDA graphs, keyed by the capacity and
-    holding the tensors they read) it grows to the next power of two of blocks: a step's graphs
-    are one per doubling. The tensors it grew out of go to `on_drop` (the decoder's
-    `forget_cache`: the graphs that read them go too). `slots`: arange over the slot axis, as
-    in StaticKVCache."""
+    `power_of_two` (CUDA graphs, keyed by the capacity and holding the tensors they read) it
+    grows to the next power of two of blocks: a step's graphs are one per doubling. The tensors
+    it grew out of go to `on_drop` (the decoder's `forget_cache`: the graphs that read them go
+    too). `slots`: arange over the slot axis, as in StaticKVCache."""
 
     def __init__(self, shape: DecoderShape, rows: int, block: int = 64, power_of_two: bool = False,
                  on_drop: Callable[[list[torch.Tensor]], None] | None = None):
