@@ -27,7 +27,7 @@ _END = 2 ** 63 - 1   # a slice's end "to the end of the dimension"
 def _past_whole_slices(node):
     """`node`, or what it slices when it is a slice that keeps all of its dimension (torch
     2.11 traces repeat_kv's `x[:, :, None, :, :]` as an unsqueeze and such a slice)."""
-    while (isinstance(node, Node) and node.target is aten.slice.Tensor
+    while (isinstance(node, Node) and node.target is aten.slice.Tensor and not node.kwargs
            and tuple(node.args[2:]) in ((), (0,), (None,), (0, _END), (None, _END), (0, _END, 1))):
         node = node.args[0]
     return node
