@@ -49,9 +49,15 @@ def _grouped_source(node) -> tuple[Node, int] | None:
     return (unsqueeze.args[0], group) if isinstance(group, int) and group > 1 else None
 
 
-def _on_cuda(node) -> bool:
+def reads_groups_in_place(device: torch.device) -> bool:
+    """Whether an attention on `device` should read grouped K/V heads with `enable_gqa` (see
+    the module docstring: not on CUDA). The trace's switch (trace.grouped_attention) asks too."""
+    return device.type != "cuda"
+
+
+def _keeps_copies(node) -> bool:
     value = node.meta.get("val") if isinstance(node, Node) else None
-    return isinstance(value, torch.Tensor) and value.device.type == "cuda"
+    return isinstance(value, torch.Tensor) and not reads_groups_in_place(value.device)
 
 
 @graph_pass()
@@ -59,7 +65,7 @@ def gqa_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
     rewritten = 0
     for node in list(gm.graph.nodes):
         if (node.target is not _ATTENTION or node.kwargs.get("enable_gqa")
-                or _on_cuda(node.args[0])):
+                or _keeps_copies(node.args[0])):
             continue
         key, value = (_grouped_source(arg) for arg in node.args[1:3])
         if key is None or value is None or key[1] != value[1]:

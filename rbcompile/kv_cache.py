@@ -322,8 +322,9 @@ class BatchKVCache:
         if prompt_tokens > self.length:  # move the running rows right to make room before them
             self._shift(prompt_tokens - self.length)
         self._grow(self.length + 1)   # not `_reserve`: compacting would undo the shift
-        self.pads[self.active] = self.length - prompt_tokens
-        self.mask[self.active] = self.slots >= self.length - prompt_tokens
+        pad = self.length - prompt_tokens
+        self.pads[self.active] = pad
+        self.mask[self.active] = self.slots >= pad
         self.skipped[self.active] = 0
         return self.active
 

@@ -70,8 +70,11 @@ def grouped_attention():
         yield
         return
 
+    from .passes.gqa_attention import reads_groups_in_place
+
     def use_gqa_in_sdpa(attention_mask, key, *args, **kwargs):
-        return key.device.type != "cuda" or original(attention_mask, key, *args, **kwargs)
+        return (reads_groups_in_place(key.device)
+                or original(attention_mask, key, *args, **kwargs))
 
     sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
     try:
