@@ -28,6 +28,7 @@ from .mark_prunable import mark_prunable
 from .mark_seams import mark_seams
 from .mark_skeleton import mark_skeleton
 from .share_attention_masks import share_attention_masks
+from .unpadded_attention import unpadded_attention
 from .permute_width import permute_width
 
 logger = logging.getLogger("rbcompile.passes")
@@ -43,6 +44,7 @@ PIPELINE = [
     mark_prunable,
     mark_cache_reuse,
     form_regions,
+    unpadded_attention,
     fuse_kernels,
     mark_seams,
 ]

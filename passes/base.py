@@ -91,6 +91,7 @@ class PassContext:
     kernels: bool = False                    # fuse_kernels: replace patterns with fused kernels
     fuse_projections: bool = False           # fuse_projections: stack projections of one input
     concatenated: dict[str, list[str]] = field(default_factory=dict)  # stacked key -> part keys
+    unpadded: dict[str, Any] | None = None   # unpadded_attention: masks dropped without padding
     dump_pass: str | None = None             # dump the graph before/after this pass
     dump_dir: str | None = None
 

@@ -228,6 +228,17 @@ def _concatenated(stacks: dict[str, list[str]]) -> list[str]:
             "    }"]
 
 
+def _unpadded(spec: dict | None) -> list[str]:
+    """The UNPADDED record (rbcompile/regions.py), where the graph has masks a call without
+    padding drops (older artifacts have none, and their code stays what it was)."""
+    if not spec:
+        return []
+    return ["    # a call whose mask input is None (no padding) drops these masks: attention without",
+            "    # them (passes/unpadded_attention.py)",
+            f"    UNPADDED = Unpadded(input={spec['input']!r}, like={spec['like']!r},",
+            f"                        masks={tuple(spec['masks'])!r}, causal={spec['causal']!r})"]
+
+
 def generate_source(ir: dict, guards: str = "python") -> str:
     """Python source of the generated module for a validated IR: gates as Python bools
     (`guards="python"`, the artifact's model.py) or as `torch.cond`s on a bool tensor ("cond");
@@ -262,7 +273,8 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         "",
         *(["import rbcompile.kernels  # noqa: F401  (registers the fused kernels)"] if fused else []),
         "from rbcompile.region_cache import RegionCache",
-        "from rbcompile.regions import Region, run_regions",
+        ("from rbcompile.regions import Region, Unpadded, run_regions" if ir.get("unpadded")
+         else "from rbcompile.regions import Region, run_regions"),
         "",
         ("from rbcompile.onnx_export import EXPORT_ATEN as aten" if guards == "cond"
          else "aten = torch.ops.aten"),
@@ -280,6 +292,7 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         param_lines,
         "    }",
         *_concatenated(ir.get("concatenated", {})),
+        *_unpadded(ir.get("unpadded")),
         "    # buffer name -> (weights key, axis, length): narrowed views for width levels",
         "    PARAMETER_VIEWS = {",
         *([view_lines] if view_lines else []),

@@ -135,16 +135,21 @@ class CompiledModel:
                                       in_place=lambda tensor: False, capture=capture)
         return self
 
-    def _run_graphs(self, input_ids, attention_mask, gates, widths):
-        """The module's outputs through the CUDA graph of this plan and bucket."""
+    def _run_graphs(self, input_ids, attention_mask, gates, widths, unpadded: bool):
+        """The module's outputs through the CUDA graph of this plan and bucket. `unpadded`
+        (see `_unpadded`): the graph takes no mask when its attention is causal or the
+        sequence needs no padding to its bucket."""
         batch_buckets, seq_multiple = self._buckets
         batch, seq = input_ids.shape
         padded_batch = next((b for b in batch_buckets if b >= batch), batch)
         padded_seq = min(-(-seq // seq_multiple) * seq_multiple, self.max_positions)
         ids = input_ids.new_zeros(padded_batch, padded_seq)
-        mask = attention_mask.new_zeros(padded_batch, padded_seq)
-        ids[:batch, :seq], mask[:batch, :seq] = input_ids, attention_mask
-        mask[batch:] = 1  # filler rows attend to something: no all-masked softmax
+        ids[:batch, :seq] = input_ids
+        mask = None
+        if not unpadded or (padded_seq > seq and not self.module.UNPADDED.causal):
+            mask = attention_mask.new_zeros(padded_batch, padded_seq)
+            mask[:batch, :seq] = attention_mask
+            mask[batch:] = 1  # filler rows attend to something: no all-masked softmax
         outputs = self.cuda_graphs(plan_key(gates, widths), ids, mask, gates, widths)
         per_token = (self.sequence_outputs if self.sequence_outputs is not None
                      else [name for name, out in zip(self.output_names, outputs) if out.dim() >= 3])
@@ -175,6 +180,13 @@ class CompiledModel:
         device = self.device
         return input_ids.to(device, torch.long), attention_mask.to(device, torch.long)
 
+    def _unpadded(self, attention_mask) -> bool:
+        """Whether a call may run without its attention masks (passes/unpadded_attention.py):
+        the module has such masks and no row of the caller's mask (validated) is padded,
+        checked where the caller keeps it, as transformers does in eager mode."""
+        return (getattr(self.module, "UNPADDED", None) is not None
+                and (attention_mask is None or bool(attention_mask.all())))
+
     def choose_gates(self, input_ids, attention_mask, budget=None, gates=None, widths=None):
         """(gates, widths, path, complexity) for a batch."""
         if widths is not None:
@@ -201,13 +213,15 @@ class CompiledModel:
     @torch.no_grad()
     def __call__(self, input_ids, attention_mask=None, *, budget=None, gates=None,
                  widths=None) -> CompiledOutput:
+        given_mask = attention_mask
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
+        unpadded = self._unpadded(given_mask)
         gates, widths, path, scores = self.choose_gates(input_ids, attention_mask, budget, gates,
                                                         widths)
         if self.cuda_graphs is not None:
-            outputs = self._run_graphs(input_ids, attention_mask, gates, widths)
+            outputs = self._run_graphs(input_ids, attention_mask, gates, widths, unpadded)
         else:
-            outputs = self.module(input_ids, attention_mask, gates, widths)
+            outputs = self.module(input_ids, None if unpadded else attention_mask, gates, widths)
         return CompiledOutput(dict(zip(self.output_names, outputs)), path=path, gates=gates,
                               widths=widths, skipped_flops=self.skipped_share(gates, widths),
                               complexity=scores)

@@ -331,7 +331,8 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                 batches.calibration_labels, calibration.head)
         run_pipeline(gm, ctx, CALIBRATED_PIPELINE)  # permutes the graph's weights
     run_pipeline(gm, ctx, LAYOUT_PIPELINE)
-    ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names, ctx.concatenated)
+    ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names, ctx.concatenated,
+                  ctx.unpadded)
     weights = graph_weights(gm, ir)
     if calibration is not None:
         ir["variants"] = width_variants(model, ir, weights, ctx, calibration.levels)

@@ -23,10 +23,10 @@ _PARAM_KEY = re.compile(r"[A-Za-z0-9_.]+")
 _TEXT = re.compile(r"[A-Za-z0-9_.,:+<>()/ -]*")  # strings codegen writes into comments
 _OP = re.compile(r"(aten|prims|rbcompile)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
 RESERVED_NAMES = {"self", "gates", "torch", "aten", "prims", "operator", "math", "RegionCache",
-                  "Region", "run_regions", "rbcompile", "rbcompile_ops"}
+                  "Region", "Unpadded", "run_regions", "rbcompile", "rbcompile_ops"}
 OPERATOR_FUNCTIONS = {f"operator.{name}": getattr(operator, name) for name in (
     "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow",
-    "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_")}
+    "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "is_")}
 # symbolic-size arithmetic that graphs from torch.compile with dynamic shapes contain
 OPERATOR_FUNCTIONS.update({f"torch.{name}": getattr(torch, name) for name in (
     "sym_sum", "sym_max", "sym_min", "sym_not", "sym_float", "sym_int", "sym_ite")})
@@ -113,11 +113,12 @@ def rename_references(value, renamed: dict[str, str]):
 
 
 def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names,
-             concatenated: dict[str, list[str]] | None = None) -> dict:
+             concatenated: dict[str, list[str]] | None = None,
+             unpadded: dict | None = None) -> dict:
     """The graph after the passes, as data. `concatenated`: the weights the graph reads
     stacked (passes/fuse_projections.py: stack key -> part keys); the parts stay parameters
     (what an artifact stores, and narrower variants read) even where the graph reads only the
-    stack."""
+    stack. `unpadded`: the masks a call without padding drops (passes/unpadded_attention.py)."""
     params = {n.name: n.target for n in gm.graph.nodes if n.op == "get_attr"}
     names = {n.name for n in gm.graph.nodes}
     for part in (part for parts in (concatenated or {}).values() for part in parts):
@@ -145,6 +146,8 @@ def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names,
           "parameters": params, "nodes": nodes, "regions": regions}
     if concatenated:
         ir["concatenated"] = dict(concatenated)
+    if unpadded:
+        ir["unpadded"] = dict(unpadded)
     return ir
 
 
@@ -274,6 +277,20 @@ def _check_concatenated(ir: dict) -> None:
             raise UserError(f"corrupt artifact graph: bad stacked weight {key!r}")
 
 
+def _check_unpadded(ir: dict) -> None:
+    """The masks a call without padding drops (passes/unpadded_attention.py) are outputs of
+    regions; the mask input and the input it is filled like are graph inputs."""
+    spec = ir.get("unpadded")
+    if spec is None:
+        return
+    made = {name for region in ir["regions"] for name in region["outputs"]}
+    if (spec["input"] not in ir["inputs"] or spec["like"] not in ir["inputs"]
+            or spec["input"] == spec["like"] or not isinstance(spec["causal"], bool)
+            or not isinstance(spec["masks"], list) or not spec["masks"]
+            or not set(spec["masks"]) <= made):
+        raise UserError("corrupt artifact graph: bad unpadded attention masks")
+
+
 def check_ir(ir: dict) -> None:
     """Validate an IR loaded from disk before generating code from it."""
     try:
@@ -313,6 +330,7 @@ def check_ir(ir: dict) -> None:
             raise UserError("corrupt artifact graph: unknown sequence output")
         _check_seams(ir)
         _check_concatenated(ir)
+        _check_unpadded(ir)
         params = set(ir["parameters"])
         for variant in ir.get("variants", []):
             params |= _check_variant(variant, ir)

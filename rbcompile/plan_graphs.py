@@ -26,19 +26,23 @@ import torch
 
 from .errors import CompileError
 from .module import show_source
-from .regions import plan_cache_key, plan_steps, seam_terms
+from .regions import plan_cache_key, plan_steps, seam_terms, unpadded_call
 
 logger = logging.getLogger("rbcompile.plan_graphs")
 
 
-def plan_source(module, steps, results) -> str:
+def plan_source(module, steps, results, unpadded: bool = False) -> str:
     """The Python of one plan's function `plan(self, *module.INPUTS)`: one line per step,
-    returning the values named `results` (the graph's outputs)."""
+    returning the values named `results` (the graph's outputs). `unpadded`: for calls
+    without padding (regions.Unpadded), which fill the mask input as `fill_unpadded` does."""
     names = {*module.INPUTS, *(name for r in module.REGIONS for name in (*r.inputs, *r.outputs))}
     terms = {term for r in module.REGIONS for name in r.seams if name for term in seam_terms(name)}
     if terms & names:
         raise CompileError(f"seam term names {sorted(terms & names)} collide with graph values")
     lines = [f"def plan(self, {', '.join(module.INPUTS)}):"]
+    if unpadded:
+        spec = module.UNPADDED
+        lines.append(f"    {spec.input} = {spec.like}.new_ones({spec.like}.shape)  # no padding")
     defined = set(module.INPUTS)
     for step in steps:
         if step.method is None:
@@ -47,6 +51,8 @@ def plan_source(module, steps, results) -> str:
         else:
             lines.append(f"    {', '.join(step.outputs)} = self.{step.method}"
                          f"({', '.join(step.inputs)})")
+            lines += [f"    {name} = None  # no padding: attention without this mask"
+                      for name in step.absent]
         defined.update(step.outputs)
         dead = [name for name in step.drop if name in defined]
         if dead:
@@ -77,9 +83,10 @@ class PlanGraphs:
         self._plans: OrderedDict[tuple, object] = OrderedDict()
         self.stats = PlanStats()
 
-    def source(self, gates, widths=None) -> str:
-        """The function this plan runs, as Python."""
-        return plan_source(self.module, plan_steps(self.module, gates, widths), self.results)
+    def source(self, gates, widths=None, unpadded: bool = False) -> str:
+        """The function this plan runs, as Python (`unpadded`: for calls without padding)."""
+        return plan_source(self.module, plan_steps(self.module, gates, widths, unpadded),
+                           self.results, unpadded)
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -87,12 +94,12 @@ class PlanGraphs:
     def keys(self) -> list[tuple]:
         return list(self._plans)
 
-    def _function(self, key, gates, widths):
+    def _function(self, key, gates, widths, unpadded):
         function = self._plans.get(key)
         if function is not None:
             self._plans.move_to_end(key)
             return function
-        source = self.source(gates, widths)
+        source = self.source(gates, widths, unpadded)
         # a file name of its own (see module.instantiate): the plans of another module, seen
         # at other shapes, must not make this plan's first compile dynamic
         filename = f"<rbcompile plan {self.stats.compiles} of {type(self.module).__module__}>"
@@ -114,8 +121,9 @@ class PlanGraphs:
         gates = rest.pop(0) if rest else gates
         widths = rest.pop(0) if rest else widths
         self.stats.calls += 1
-        key = plan_cache_key(self.module, gates, widths)
-        function = self._function(key, gates, widths)
+        unpadded = unpadded_call(self.module, dict(zip(self.module.INPUTS, inputs)))
+        key = plan_cache_key(self.module, gates, widths, unpadded)
+        function = self._function(key, gates, widths, unpadded)
         with torch.no_grad():  # inference graphs: nothing to differentiate
             try:
                 return tuple(function(*inputs))

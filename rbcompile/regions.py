@@ -43,6 +43,26 @@ class Region:
                 *(method for _, method in self.seam_methods))
 
 
+@dataclass(frozen=True)
+class Unpadded:
+    """The masks that say nothing but causality when the mask input has no padding
+    (passes/unpadded_attention.py). A call given `input` as None (no padding) fills it with
+    ones of the shape of the input `like`, and drops `masks` after the region that makes them:
+    attention then reads no mask (`is_causal` where `causal`: the tokens after the last one
+    change nothing before them, so right padding added by the runtime needs no mask either)."""
+    input: str
+    like: str
+    masks: tuple[str, ...]
+    causal: bool
+
+
+def unpadded_call(module, inputs: dict) -> bool:
+    """Whether a call of `module` on `inputs` (by name) runs without padding: the module drops
+    its masks then (`UNPADDED`) and the mask input is None."""
+    spec = getattr(module, "UNPADDED", None)
+    return spec is not None and inputs.get(spec.input, 0) is None
+
+
 def width_level(ratios, width: float | None) -> float | None:
     """The width level (a ratio among `ratios`) a request for `width` runs at: the narrowest
     level >= `width`, so a request below the lowest level runs at the lowest (the floor); None
@@ -103,6 +123,7 @@ class Step:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     drop: tuple[str, ...]
+    absent: tuple[str, ...] = ()   # outputs replaced by None (masks a call without padding drops)
 
 
 _MAX_PLANS_KEPT = 512  # plans whose steps a module keeps
@@ -118,7 +139,8 @@ def _apart(names, sum_name: str | None, on: bool) -> tuple[str, ...]:
                  for part in (seam_terms(name) if on and name == sum_name else (name,)))
 
 
-def _plan_steps(regions: tuple[Region, ...], gates: tuple[bool, ...], widths, seams: bool):
+def _plan_steps(regions: tuple[Region, ...], gates: tuple[bool, ...], widths, seams: bool,
+                absent: tuple[str, ...]):
     steps, open_seam = [], False
     for index, region in enumerate(regions):
         closes = open_seam
@@ -140,24 +162,27 @@ def _plan_steps(regions: tuple[Region, ...], gates: tuple[bool, ...], widths, se
         else:
             method = region.method
         steps.append(Step(region, method, inputs, _apart(region.outputs, sum_out, open_seam),
-                          drop))
+                          drop, tuple(name for name in region.outputs if name in absent)))
     return tuple(steps)
 
 
-def plan_cache_key(module, gates, widths=None) -> tuple:
-    """What makes `module`'s steps differ between calls: the gates, the widths, seams on."""
+def plan_cache_key(module, gates, widths=None, unpadded: bool = False) -> tuple:
+    """What makes `module`'s steps differ between calls: the gates, the widths, seams on, the
+    masks a call without padding drops (see `Unpadded`)."""
     return (tuple(bool(g) for g in gates), None if widths is None else tuple(widths),
-            bool(getattr(module, "fuse_seams", True)))
+            bool(getattr(module, "fuse_seams", True)),
+            module.UNPADDED.masks if unpadded else ())
 
 
-def plan_steps(module, gates, widths=None) -> tuple[Step, ...]:
+def plan_steps(module, gates, widths=None, unpadded: bool = False) -> tuple[Step, ...]:
     """The steps `module` runs for one plan (gates as bools, widths), in order: each region's
     method at the width level it runs at, skipped regions as identities, and seams
     (passes/mark_seams.py): when a region that ends in a residual add and the region after it
     both run at full width, the first leaves the add open (its seam method returns the sum's
     two terms) and the second adds them inside its first norm (one fused kernel instead of an
-    add and a norm); not with `module.fuse_seams` set to False."""
-    key = plan_cache_key(module, gates, widths)
+    add and a norm); not with `module.fuse_seams` set to False. `unpadded`: a call without
+    padding, whose masks are None from the region that makes them on (see `Unpadded`)."""
+    key = plan_cache_key(module, gates, widths, unpadded)
     cache = module.__dict__.setdefault("_steps_by_plan", {})
     if key not in cache:
         if len(cache) >= _MAX_PLANS_KEPT:
@@ -181,20 +206,34 @@ def run_steps(module, steps, env: dict) -> dict:
                 values = compute(*args)
                 values = values if len(step.outputs) > 1 else (values,)
             env.update(zip(step.outputs, values))
+            if step.absent:
+                env.update(dict.fromkeys(step.absent))
         for name in step.drop:
             env.pop(name, None)  # a seam's sum never enters `env`
     return env
 
 
+def fill_unpadded(module, env: dict) -> bool:
+    """For a call without padding (see `Unpadded`): the mask input in `env`, given as None,
+    becomes ones of its shape; returns whether the call is one."""
+    if not unpadded_call(module, env):
+        return False
+    spec = module.UNPADDED
+    env[spec.input] = env[spec.like].new_ones(env[spec.like].shape)
+    return True
+
+
 def run_regions(module, env: dict, gates, widths=None, guards: str = "python") -> dict:
     """Run every region of `module` (its `REGIONS`, in order) on `env`, the graph inputs by
     name; returns `env`, which then holds the graph outputs. `guards="python"`: the steps of
-    this plan (`plan_steps`); "cond": each region through `run_region`."""
+    this plan (`plan_steps`; the mask input None: a call without padding, see `Unpadded`);
+    "cond": each region through `run_region`."""
     if guards == "cond":
         for region in module.REGIONS:
             run_region(module, region, env, gates, widths, guards)
         return env
-    return run_steps(module, plan_steps(module, gates, widths), env)
+    unpadded = fill_unpadded(module, env)
+    return run_steps(module, plan_steps(module, gates, widths, unpadded), env)
 
 
 def _cond(gate, branch, stream: int, operands: list):

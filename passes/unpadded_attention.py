@@ -1,0 +1,188 @@
+"""Attention without its mask when no row is padded (an exact rewrite, chosen per call).
+
+A traced model builds its attention mask in the graph from the `attention_mask` input: the
+conjunction of causality (`kv <= q`, decoders) and padding (`attention_mask[b, kv]`), read by
+every layer's `scaled_dot_product_attention`. With no padding the padding term is all True,
+so the mask says nothing but causality: SDPA's `is_causal=True` without a mask (decoders) or no
+mask at all (encoders) computes the same values, with the kernels that take no mask (flash
+attention on CUDA; on CPU the causal kernel skips the masked blocks: benchmarks/bench_prefill.py
+--unpadded). transformers makes the same choice in eager mode (`padding_mask.all()`); a trace
+cannot, since that is a property of the values.
+
+This pass finds such masks and lets the generated module choose per call: a forward given the
+mask input as None (rbcompile/regions.py `Unpadded`: the artifact passes None when its
+`attention_mask` is all ones) fills that input with ones, so every other reader sees what it
+did, and drops the mask after the region that makes it; each attention reading it then runs
+with `is_causal = (mask is None)` (a decoder's) or no mask (an encoder's). A mask recognised
+needs every conjunct to be one of: all True (`new_ones`, `kv >= 0`), causality over two
+aranges of one length and offset (q along dim 2, kv along dim 3), or an index into the one
+mask input (through casts and views). Anything else (a sliding window, a cache's positions, a
+mask made inside a layer) leaves its attentions as they were.
+
+Only for a traced checkpoint (its inputs are the artifact's); a torch.compile graph is left as
+it is: its caller always passes the mask it has. Requires: `ctx:regions` (the mask must reach
+its attentions as a region input). Ensures: the graph computes the same values;
+`ctx.unpadded` is None or names the mask input, an input of its shape, the masks dropped and
+whether they are causal.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .base import FLOPS, REGION, PassContext, PassReport, graph_pass, tensor_val
+
+aten = torch.ops.aten
+_ATTENTION = aten.scaled_dot_product_attention.default
+_AND = {aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default}
+_SAME_VALUES = {aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_copy.default,
+                aten.view.default, aten.reshape.default, aten.clone.default}
+
+
+def _index(node) -> tuple | None:
+    """(length, offset, dim, rank) of `arange(length) + offset` unsqueezed so that its values
+    lie along `dim` of a `rank`-D tensor; else None."""
+    dims = []
+    while isinstance(node, Node) and node.target is aten.unsqueeze.default:
+        dims.append(node.args[1])
+        node = node.args[0]
+    offset = 0
+    if isinstance(node, Node) and node.target is aten.add.Tensor and isinstance(node.args[1], int):
+        node, offset = node.args[0], node.args[1]
+    if not (isinstance(node, Node) and node.target is aten.arange.default and len(node.args) == 1):
+        return None
+    dim, rank = 0, 1
+    for unsqueezed in reversed(dims):  # innermost first
+        unsqueezed = unsqueezed if unsqueezed >= 0 else unsqueezed + rank + 1
+        dim += unsqueezed <= dim
+        rank += 1
+    return _key(node.args[0]), offset, dim, rank
+
+
+def _key(value):
+    """A structural key: equal for nodes computing the same value from the same inputs."""
+    if isinstance(value, Node):
+        if value.op != "call_function":
+            return value
+        return (value.target, _key(value.args), _key(value.kwargs))
+    if isinstance(value, (list, tuple)):
+        return tuple(_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _key(v)) for k, v in value.items()))
+    return value
+
+
+def _source_input(node) -> Node | None:
+    """The graph input `node` holds the values of (through casts and views), or None."""
+    while isinstance(node, Node) and node.target in _SAME_VALUES:
+        node = node.args[0]
+    return node if isinstance(node, Node) and node.op == "placeholder" else None
+
+
+def _term(node) -> tuple[str, object] | None:
+    """What one conjunct of a mask is without padding: ("true", None), ("causal", None) or
+    ("padding", the input it indexes); None for anything else."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return None
+    if node.target is aten.new_ones.default and node.kwargs.get("dtype") is torch.bool:
+        return "true", None
+    if node.target is aten.ge.Scalar and node.args[1] == 0:
+        index = _index(node.args[0])
+        return ("true", None) if index is not None and index[1] >= 0 else None
+    if node.target is aten.le.Tensor:
+        kv, q = (_index(arg) for arg in node.args)
+        if kv and q and kv[:2] == q[:2] and (kv[2:], q[2:]) == ((3, 4), (2, 4)):
+            return "causal", None
+        return None
+    if node.target is aten.index.Tensor:
+        source = _source_input(node.args[0])
+        return ("padding", source) if source is not None else None
+    return None
+
+
+def _conjuncts(node) -> list | None:
+    """The terms of `node` read as a conjunction (through broadcasts), or None."""
+    if isinstance(node, Node) and node.target is aten.expand.default:
+        return _conjuncts(node.args[0])
+    if isinstance(node, Node) and node.target in _AND:
+        parts = [_conjuncts(arg) for arg in node.args]
+        return None if None in parts else parts[0] + parts[1]
+    term = _term(node)
+    return None if term is None else [term]
+
+
+def _bool_mask(mask) -> Node | None:
+    """The bool mask behind an attention's mask: itself, or what an additive conversion
+    (`where(mask, 0, -inf)`, passes/share_attention_masks.py) converts."""
+    if not isinstance(mask, Node):
+        return None
+    if mask.target is aten.where.self:
+        zero, minus_inf = (arg.args[0] if isinstance(arg, Node)
+                           and arg.target is aten.scalar_tensor.default else None
+                           for arg in mask.args[1:])
+        return mask.args[0] if (zero, minus_inf) == (0.0, float("-inf")) else None
+    value = tensor_val(mask)
+    return mask if value is not None and value.dtype == torch.bool else None
+
+
+def _unpadded_form(mask) -> tuple[Node, bool] | None:
+    """(the mask input, causal) when `mask` without padding is causality or nothing."""
+    terms = _conjuncts(_bool_mask(mask))
+    if not terms:
+        return None
+    inputs = {source for kind, source in terms if kind == "padding"}
+    if len(inputs) != 1:
+        return None
+    return inputs.pop(), any(kind == "causal" for kind, _ in terms)
+
+
+def _input_like(gm: GraphModule, mask_input: Node) -> Node | None:
+    """Another graph input of the mask input's shape (the token ids)."""
+    def shape(node):
+        value = tensor_val(node)
+        return None if value is None else [str(size) for size in value.shape]
+
+    return next((n for n in gm.graph.nodes if n.op == "placeholder" and n is not mask_input
+                 and shape(n) == shape(mask_input)), None)
+
+
+@graph_pass(requires=("ctx:regions",))
+def unpadded_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
+    ctx.unpadded = None
+    if ctx.architecture is None:
+        return PassReport(False, "a torch.compile graph: its caller passes the mask it has")
+    attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ATTENTION
+                  and 3 < len(n.args) < 6 and "is_causal" not in n.kwargs]
+    forms = {}  # mask -> (input, causal)
+    for attention in attentions:
+        mask = attention.args[3]
+        if mask not in forms:
+            forms[mask] = _unpadded_form(mask)
+    forms = {mask: form for mask, form in forms.items() if form is not None
+             and all(user in attentions and user.args[3] is mask
+                     and user.meta[REGION] != mask.meta[REGION] for user in mask.users)}
+    kinds = set(forms.values())
+    if len(kinds) != 1:
+        return PassReport(False, "no attention mask without padding is causality or nothing"
+                          if not kinds else "masks of different inputs or kinds: left alone")
+    (mask_input, causal), = kinds
+    like = _input_like(gm, mask_input)
+    if like is None:
+        return PassReport(False, f"no input of {mask_input.name}'s shape to fill it from")
+    if causal:
+        for mask in forms:
+            for attention in list(mask.users):
+                with gm.graph.inserting_before(attention):
+                    absent = gm.graph.call_function(operator.is_, (mask, None))
+                absent.meta.update({k: v for k, v in attention.meta.items() if k != "val"},
+                                   val=False, **{FLOPS: 0})
+                attention.kwargs = {**attention.kwargs, "is_causal": absent}
+    gm.recompile()
+    ctx.unpadded = {"input": mask_input.name, "like": like.name,
+                    "masks": [mask.name for mask in forms], "causal": causal}
+    readers = sum(len(mask.users) for mask in forms)
+    return PassReport(True, f"{readers} attentions run unmasked ({'causal' if causal else 'no mask'})"
+                      f" when {mask_input.name} has no padding", {"attentions": readers,
+                                                                   "masks": len(forms)})
