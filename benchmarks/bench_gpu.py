@@ -19,8 +19,10 @@ at a budget is reported as agreement with the full path, not as task quality):
 Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`), `inductor-ro` (mode reduce-overhead: inductor + CUDA graphs),
 `rbc-graphs` (the rbcompile artifact module, eager regions, one CUDA graph per plan and bucket),
 `rbc-ind-graphs` (the same with inductor-compiled regions), `rbc-plan-graphs` (one inductor
-graph per plan, rbcompile/plan_graphs.py), `rbc-k-graphs` / `rbc-k-noseams-graphs` (rbcompile's
-Triton kernels, with and without seams: the residual add fused into the next region's norm), and
+graph per plan, rbcompile/plan_graphs.py), `rbc-masked-graphs` (`rbc-graphs` with every
+attention reading its all-ones mask, as before passes/unpadded_attention.py),
+`rbc-k-graphs` / `rbc-k-noseams-graphs` (rbcompile's Triton kernels, with and without seams:
+the residual add fused into the next region's norm), and
 for decoding `rbc-backend` (torch.compile(backend="rbcompile", options={"cuda_graphs": True})),
 `rbc-backend-plan` (the same with `regions="plan"`) and `rbc-generate-plan` (`rbc-generate`
 through plan graphs). `rbc-backend*` run rbcompile's Triton kernels on CUDA (the backend's
@@ -218,6 +220,8 @@ def artifact_notes(compiled, graphs, skipped):
     path)."""
     def notes(budget):
         return {**plan_failures(compiled), **graph_counts(graphs()),
+                "unpadded_attention": compiled.unpadded_attention
+                and getattr(compiled.module, "UNPADDED", None) is not None,
                 "skipped_share": skipped(budget) if budget else 0.0}
     return notes
 
@@ -247,13 +251,14 @@ def prefill_case(case: Case, model, batch, seq, args):
 
     saved = {}  # kernels -> artifact folder: tracing the model and its decoder once
 
-    def artifact(engine="interp", kernels=False, seams=True):
+    def artifact(engine="interp", kernels=False, seams=True, unpadded=True):
         def setup():
             if kernels not in saved:
                 saved[kernels] = rbcompile.compile(model, kernels=kernels).save(
                     Path(args.scratch) / f"{case.name}-kernels{int(kernels)}")
             compiled = rbcompile.load(saved[kernels], device=case.device)
             compiled.module.fuse_seams = seams
+            compiled.unpadded_attention = unpadded
             if engine == "regions":
                 compiled.compile_regions()
             elif engine == "plan":
@@ -268,6 +273,7 @@ def prefill_case(case: Case, model, batch, seq, args):
 
     graphs = "-graphs" if case.device.type == "cuda" else ""
     case.contender(f"rbc{graphs}", artifact(), (None, *BUDGETS))
+    case.contender(f"rbc-masked{graphs}", artifact(unpadded=False), (None,))
     case.contender(f"rbc-plan{graphs}", artifact("plan"), (None, BUDGETS[0]))
     case.contender(f"rbc-ind{graphs}", artifact("regions"), (None, *BUDGETS))
     case.contender(f"rbc-k{graphs}", artifact(kernels=True), (None, BUDGETS[0]))

@@ -57,6 +57,8 @@ class CompiledModel:
         self.module = module
         self.decoder = decoder  # decoders: the KV-cached module generate() runs
         self.plan_graphs: PlanGraphs | None = None  # compile_plans
+        # calls without padding drop the masks the module can (False: every call reads them)
+        self.unpadded_attention = True
         self.ir = ir
         self.source = source
         self.manifest = manifest
@@ -184,7 +186,7 @@ class CompiledModel:
         """Whether a call may run without its attention masks (passes/unpadded_attention.py):
         the module has such masks and no row of the caller's mask (validated) is padded,
         checked where the caller keeps it, as transformers does in eager mode."""
-        return (getattr(self.module, "UNPADDED", None) is not None
+        return (self.unpadded_attention and getattr(self.module, "UNPADDED", None) is not None
                 and (attention_mask is None or bool(attention_mask.all())))
 
     def choose_gates(self, input_ids, attention_mask, budget=None, gates=None, widths=None):

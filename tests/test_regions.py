@@ -44,6 +44,7 @@ class FakeModule:
 
     def __init__(self, regions=()):
         self.REGIONS = tuple(regions)
+        self.UNPADDED = None  # no masks a call without padding drops
         self.region_cache = RegionCache()
         self.calls = []
 

@@ -101,6 +101,13 @@ def test_a_call_without_padding_runs_attention_unmasked_and_equals_eager(compile
     assert calls == [(False, True)] * len(calls)
     expected = model(input_ids=ids, attention_mask=padded)[0]
     assert ((got - expected) * padded[..., None]).abs().max().item() <= 1e-5
+    compiled.unpadded_attention = False  # every call reads its mask (as before the pass)
+    try:
+        got, calls = _attention_calls(lambda: compiled(ids)[name])
+        assert calls == [(False, True)] * len(calls)
+        assert (got - model(input_ids=ids)[0]).abs().max().item() <= 1e-5
+    finally:
+        compiled.unpadded_attention = True
 
 
 def test_plan_functions_fill_the_mask_input_and_drop_the_mask(compiled):
