@@ -86,6 +86,20 @@ def test_masks_with_more_than_causality_and_padding_are_left_alone():
     assert (got - model(input_ids=ids).logits).abs().max().item() <= 1e-5
 
 
+def test_a_sliding_layers_mask_stays_where_a_full_layers_goes():
+    """Gemma 3 alternates sliding-window and full layers: without padding only the full
+    layers' attention drops its mask."""
+    from test_architectures import tiny_model
+
+    model = tiny_model("gemma3_text")
+    compiled = rbcompile.compile(model)
+    assert len(compiled.module.UNPADDED.masks) == 1 and compiled.module.UNPADDED.causal
+    ids, _ = _inputs(seq=12)
+    got, calls = _attention_calls(lambda: compiled(ids)["logits"])
+    assert calls == [(False, True), (True, False)]  # layer_types: sliding, full
+    assert (got - model(input_ids=ids).logits).abs().max().item() <= 1e-5
+
+
 def test_a_call_without_padding_runs_attention_unmasked_and_equals_eager(compiled):
     model, compiled, causal = compiled
     ids, padded = _inputs()
