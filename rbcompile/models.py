@@ -15,12 +15,12 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from .architectures import DECODER, lookup
+from .atomic import write_folder
 from .errors import UserError, first_line
 from .progress import say, step
 
@@ -79,16 +79,19 @@ def convert_gguf(gguf: Path, target: Path, max_positions: int | None = None) -> 
             config.max_position_embeddings = min(config.max_position_embeddings, max_positions)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-        try:
+
+        def write(tmp: Path) -> None:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        # another process converting at the same time may have put its copy in place first
+        write_folder(target, write, _converted_files, "a converted checkpoint")
     return target
+
+
+def _converted_files(folder: Path) -> set[str] | None:
+    """The files of an earlier conversion in `folder` (one with a config.json), else None."""
+    return {p.name for p in folder.iterdir()} if (folder / "config.json").is_file() else None
 
 
 NAMED_MODELS = {
