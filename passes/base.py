@@ -164,6 +164,21 @@ def erase_unused(node: Node) -> None:
             pending += inputs
 
 
+def structure(value, through: Callable[[Node], bool]):
+    """A hashable stand-in for `value` (an argument): the nodes `through` accepts by their op
+    and inputs, recursively, so two of them computing alike from the same inputs are equal;
+    other nodes themselves."""
+    if isinstance(value, Node):
+        if value.op == "call_function" and through(value):
+            return (value.target, structure(value.args, through), structure(value.kwargs, through))
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(structure(v, through) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, structure(v, through)) for k, v in value.items()))
+    return value
+
+
 def is_tensor(node: Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 

@@ -27,7 +27,8 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from .base import PassContext, PassReport, erase_unused, graph_pass, module_path, tensor_val
+from .base import (PassContext, PassReport, erase_unused, graph_pass, module_path, structure,
+                   tensor_val)
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
@@ -53,18 +54,8 @@ def _set_mask(node: Node, mask: Node) -> None:
         node.kwargs = {**node.kwargs, keyword: mask}
 
 
-def _structure(value):
-    """A hashable stand-in for `value`: views by their op and inputs, other nodes themselves."""
-    if isinstance(value, Node):
-        if value.op == "call_function" and isinstance(value.target, torch._ops.OpOverload) \
-                and value.target.is_view:
-            return (value.target, _structure(value.args), _structure(value.kwargs))
-        return value
-    if isinstance(value, (list, tuple)):
-        return tuple(_structure(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _structure(v)) for k, v in value.items()))
-    return value
+def _is_view(node: Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
 def _scalar(node) -> tuple | None:
@@ -129,7 +120,7 @@ def share_attention_masks(gm: GraphModule, ctx: PassContext) -> PassReport:
                 or not _outside_layers(found[0])):
             continue
         mask, dtype, values = found
-        key = (_structure(mask), dtype, values)
+        key = (structure(mask, _is_view), dtype, values)  # one mask when its views match
         if key not in shared:
             shared[key] = _convert(graph, mask, dtype, values)
         old = _get_mask(node)

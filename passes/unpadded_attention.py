@@ -32,7 +32,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import FLOPS, REGION, PassContext, PassReport, graph_pass, tensor_val
+from .base import FLOPS, REGION, PassContext, PassReport, graph_pass, structure, tensor_val
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -58,20 +58,7 @@ def _index(node) -> tuple | None:
         unsqueezed = unsqueezed if unsqueezed >= 0 else unsqueezed + rank + 1
         dim += unsqueezed <= dim
         rank += 1
-    return _key(node.args[0]), offset, dim, rank
-
-
-def _key(value):
-    """A structural key: equal for nodes computing the same value from the same inputs."""
-    if isinstance(value, Node):
-        if value.op != "call_function":
-            return value
-        return (value.target, _key(value.args), _key(value.kwargs))
-    if isinstance(value, (list, tuple)):
-        return tuple(_key(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _key(v)) for k, v in value.items()))
-    return value
+    return structure(node.args[0], lambda _: True), offset, dim, rank
 
 
 def _source_input(node) -> Node | None:
