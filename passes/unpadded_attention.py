@@ -5,8 +5,7 @@ conjunction of causality (`kv <= q`, decoders) and padding (`attention_mask[b, k
 every layer's `scaled_dot_product_attention`. With no padding the padding term is all True,
 so the mask says nothing but causality: SDPA's `is_causal=True` without a mask (decoders) or no
 mask at all (encoders) computes the same values, with the kernels that take no mask (flash
-attention on CUDA; on CPU the causal kernel skips the masked blocks: benchmarks/bench_prefill.py
---unpadded). transformers makes the same choice in eager mode (`padding_mask.all()`); a trace
+attention on CUDA; on CPU the causal kernel skips the masked blocks: benchmarks/bench_unpadded.py). transformers makes the same choice in eager mode (`padding_mask.all()`); a trace
 cannot, since that is a property of the values.
 
 This pass finds such masks and lets the generated module choose per call: a forward given the
@@ -17,7 +16,9 @@ with `is_causal = (mask is None)` (a decoder's) or no mask (an encoder's). A mas
 needs every conjunct to be one of: all True (`new_ones`, `kv >= 0`), causality over two
 aranges of one length and offset (q along dim 2, kv along dim 3), or an index into the one
 mask input (through casts and views). Anything else (a sliding window, a cache's positions, a
-mask made inside a layer) leaves its attentions as they were.
+mask made inside a layer) leaves its attentions as they were. Causal masks are dropped only
+where every attention of the graph is causal (a sliding window's is): a call without padding
+then needs no mask either for the tokens the runtime pads the sequence with (they come last).
 
 Only for a traced checkpoint (its inputs are the artifact's); a torch.compile graph is left as
 it is: its caller always passes the mask it has. Requires: `ctx:regions` (the mask must reach
@@ -49,7 +50,8 @@ def _index(node) -> tuple | None:
         dims.append(node.args[1])
         node = node.args[0]
     offset = 0
-    if isinstance(node, Node) and node.target is aten.add.Tensor and isinstance(node.args[1], int):
+    if (isinstance(node, Node) and node.target is aten.add.Tensor and not node.kwargs
+            and isinstance(node.args[1], int)):
         node, offset = node.args[0], node.args[1]
     if not (isinstance(node, Node) and node.target is aten.arange.default and len(node.args) == 1):
         return None
@@ -89,15 +91,14 @@ def _term(node) -> tuple[str, object] | None:
     return None
 
 
-def _conjuncts(node) -> list | None:
-    """The terms of `node` read as a conjunction (through broadcasts), or None."""
+def _conjuncts(node) -> list:
+    """The terms of `node` read as a conjunction (through broadcasts); a term `_term` does not
+    know is ("other", node)."""
     if isinstance(node, Node) and node.target is aten.expand.default:
         return _conjuncts(node.args[0])
     if isinstance(node, Node) and node.target in _AND:
-        parts = [_conjuncts(arg) for arg in node.args]
-        return None if None in parts else parts[0] + parts[1]
-    term = _term(node)
-    return None if term is None else [term]
+        return [term for arg in node.args for term in _conjuncts(arg)]
+    return [_term(node) or ("other", node)]
 
 
 def _bool_mask(mask) -> Node | None:
@@ -117,12 +118,20 @@ def _bool_mask(mask) -> Node | None:
 def _unpadded_form(mask) -> tuple[Node, bool] | None:
     """(the mask input, causal) when `mask` without padding is causality or nothing."""
     terms = _conjuncts(_bool_mask(mask))
-    if not terms:
-        return None
     inputs = {source for kind, source in terms if kind == "padding"}
-    if len(inputs) != 1:
+    if len(inputs) != 1 or any(kind == "other" for kind, _ in terms):
         return None
     return inputs.pop(), any(kind == "causal" for kind, _ in terms)
+
+
+def _causal(attention: Node) -> bool:
+    """Whether `attention` is causal whatever else its mask says: a key after the query's
+    position is never read (`is_causal`, or causality among its mask's conjuncts)."""
+    flag = attention.args[5] if len(attention.args) > 5 else attention.kwargs.get("is_causal")
+    if flag is True:
+        return True
+    mask = attention.args[3] if len(attention.args) > 3 else attention.kwargs.get("attn_mask")
+    return any(kind == "causal" for kind, _ in _conjuncts(_bool_mask(mask)))
 
 
 def _input_like(gm: GraphModule, mask_input: Node) -> Node | None:
@@ -140,8 +149,8 @@ def unpadded_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
     ctx.unpadded = None
     if ctx.architecture is None:
         return PassReport(False, "a torch.compile graph: its caller passes the mask it has")
-    attentions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ATTENTION
-                  and 3 < len(n.args) < 6 and "is_causal" not in n.kwargs]
+    every_attention = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ATTENTION]
+    attentions = [n for n in every_attention if 3 < len(n.args) < 6 and "is_causal" not in n.kwargs]
     forms = {}  # mask -> (input, causal)
     for attention in attentions:
         mask = attention.args[3]
@@ -155,6 +164,11 @@ def unpadded_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
         return PassReport(False, "no attention mask without padding is causality or nothing"
                           if not kinds else "masks of different inputs or kinds: left alone")
     (mask_input, causal), = kinds
+    if mask_input.name != ctx.architecture.mask_input:
+        return PassReport(False, f"masks made from {mask_input.name}, not the mask input: left alone")
+    if causal and not all(map(_causal, every_attention)):
+        # a call without padding then takes no mask even where the runtime pads the sequence
+        return PassReport(False, "causal masks beside an attention that is not causal: left alone")
     like = _input_like(gm, mask_input)
     if like is None:
         return PassReport(False, f"no input of {mask_input.name}'s shape to fill it from")

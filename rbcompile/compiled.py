@@ -184,8 +184,9 @@ class CompiledModel:
 
     def _unpadded(self, attention_mask) -> bool:
         """Whether a call may run without its attention masks (passes/unpadded_attention.py):
-        the module has such masks and no row of the caller's mask (validated) is padded,
-        checked where the caller keeps it, as transformers does in eager mode."""
+        the module has such masks and no row of the caller's mask (`attention_mask` as given,
+        after `_check_inputs`) is padded, checked on the caller's device, as transformers does
+        in eager mode."""
         return (self.unpadded_attention and getattr(self.module, "UNPADDED", None) is not None
                 and (attention_mask is None or bool(attention_mask.all())))
 

@@ -277,9 +277,14 @@ def _check_concatenated(ir: dict) -> None:
             raise UserError(f"corrupt artifact graph: bad stacked weight {key!r}")
 
 
+_ATTENTION = "aten.scaled_dot_product_attention.default"
+
+
 def _check_unpadded(ir: dict) -> None:
     """The masks a call without padding drops (passes/unpadded_attention.py) are outputs of
-    regions; the mask input and the input it is filled like are graph inputs."""
+    regions, read only as attention masks (in width variants too), by causal attentions with
+    `is_causal=operator.is_(mask, None)`; the mask input and the input it is filled like are
+    graph inputs."""
     spec = ir.get("unpadded")
     if spec is None:
         return
@@ -289,6 +294,21 @@ def _check_unpadded(ir: dict) -> None:
             or not isinstance(spec["masks"], list) or not spec["masks"]
             or not set(spec["masks"]) <= made):
         raise UserError("corrupt artifact graph: bad unpadded attention masks")
+    masks, causal = set(spec["masks"]), spec["causal"]
+    for nodes in (ir["nodes"], *(variant["nodes"] for variant in ir.get("variants", []))):
+        tests = {}  # operator.is_(mask, None) nodes -> the mask
+        for name, op, args, kwargs, _ in nodes:
+            reads = set(references([args, list(kwargs.values())])) & masks
+            if not reads:
+                continue
+            if op == "operator.is_" and len(args) == 2 and args[1] is None:
+                tests[name] = args[0]["node"]
+                continue
+            mask = args[3]["node"] if op == _ATTENTION and len(args) > 3 else None
+            flag = kwargs.get("is_causal")
+            tested = tests.get(flag["node"]) if isinstance(flag, dict) else None
+            if reads != {mask} or (tested != mask if causal else flag is not None):
+                raise UserError(f"corrupt artifact graph: {name} reads a dropped attention mask")
 
 
 def check_ir(ir: dict) -> None:

@@ -70,7 +70,7 @@ def test_the_mask_input_and_causality_are_recognised_and_recorded(compiled):
             assert "is_causal" not in kwargs
     assert compiled.module.UNPADDED.masks == tuple(spec["masks"])
     if compiled.decoder is not None:  # its keys are cache slots, not the queries' positions
-        assert "unpadded" not in compiled.decoder.ir
+        assert not [node for node in compiled.decoder.ir["nodes"] if node[1] == "operator.is_"]
 
 
 def test_masks_with_more_than_causality_and_padding_are_left_alone():
@@ -167,12 +167,20 @@ def test_cuda_graphs_take_no_mask_unless_an_encoders_padding_needs_one(compiled)
 
 
 def test_a_corrupt_unpadded_record_is_refused(compiled):
-    _, compiled, _ = compiled
+    """A bad record, or an attention over a dropped mask without the causality it needs (or
+    with causality an encoder's lacks): a decoder would attend to later tokens."""
+    _, compiled, causal = compiled
     for change in ({"masks": ["input_ids"]}, {"input": "nowhere"}, {"like": "attention_mask"},
                    {"causal": "yes"}, {"masks": []}):
         ir = {**compiled.ir, "unpadded": {**compiled.ir["unpadded"], **change}}
         with pytest.raises(UserError, match="bad unpadded attention masks"):
             check_ir(ir)
+    nodes = [list(node) for node in compiled.ir["nodes"]]
+    attention = next(node for node in nodes if node[1] == _SDPA)
+    attention[3] = ({k: v for k, v in attention[3].items() if k != "is_causal"} if causal
+                    else {**attention[3], "is_causal": True})
+    with pytest.raises(UserError, match=f"{attention[0]} reads a dropped attention mask"):
+        check_ir({**compiled.ir, "nodes": nodes})
 
 
 def test_the_record_survives_save_and_load(compiled, tmp_path):
