@@ -5,9 +5,12 @@ artifact's full path on real weights and text, called with its all-ones attentio
 now runs when no row is padded), next to eager transformers given the same all-ones mask.
 
 Both rbcompile rows call the generated module directly (no CUDA graphs, no budget), so the only
-difference is the attention's mask. Medians of --rounds interleaved rounds (ABBA); parity: the
-largest absolute difference of the first output (logits / hidden states) from eager's, and for
-a decoder the share of positions whose top-1 token agrees with eager's.
+difference is the attention's mask. A decoder also gets `prefill` rows: a generation's prefill
+and first token through the KV-cached decoder, from the first slot, with its mask or without
+(`unpadded_prefill`), next to transformers' `generate` of one token. Medians of --rounds
+interleaved rounds (ABBA); parity: the largest absolute difference of the first output (logits /
+hidden states) from eager's, and for a decoder the share of positions (prefill: rows) whose
+top-1 token agrees with eager's.
 
     python benchmarks/bench_unpadded.py [--models smollm2-135m,minilm-l6] [--rounds 5]
         [--threads 2] [--device cpu|cuda] [--json PATH | --json -]
@@ -34,36 +37,63 @@ def first_output(outputs) -> torch.Tensor:
     return next(iter(values))
 
 
+def forward_contenders(compiled, eager, ids, mask) -> dict:
+    """The full forward: (run, its output as a float tensor) per contender."""
+    module, gates = compiled.module, [True] * compiled.num_gates
+    return {"eager": lambda: first_output(eager(input_ids=ids, attention_mask=mask)).float(),
+            "masked": lambda: first_output(module(ids, mask, gates)).float(),
+            "unpadded": lambda: first_output(module(ids, None, gates)).float()}
+
+
+def prefill_contenders(compiled, eager, ids, mask) -> dict:
+    """A generation's prefill and first token: the KV-cached decoder from the first slot, its
+    mask given or left out (`unpadded_prefill`); eager is transformers' `generate`."""
+    from functools import partial
+
+    from rbcompile.generation import generate
+
+    def rbc(unpadded):
+        return lambda: torch.tensor(generate(partial(compiled.decoder), ids, mask, max_new_tokens=1,
+                                             shape=compiled.decoder.shape,
+                                             unpadded_prefill=unpadded).tokens)
+    return {"eager": lambda: eager.generate(ids, attention_mask=mask, max_new_tokens=1,
+                                            do_sample=False)[:, -1:].cpu(),
+            "masked": rbc(False), "unpadded": rbc(True)}
+
+
 def measure(name: str, rounds: int, device: str) -> list[dict]:
     compiled, eager = load_with_eager(name)
     compiled.to(device)
     eager.to(device)
-    module, family = compiled.module, compiled.manifest["architecture"]["family"]
-    if getattr(module, "UNPADDED", None) is None:
+    family = compiled.manifest["architecture"]["family"]
+    if getattr(compiled.module, "UNPADDED", None) is None:
         raise SystemExit(f"{name}: the artifact has no masks to leave out (compiled before "
                          "unpadded_attention, or a mask it does not recognise)")
-    gates = [True] * compiled.num_gates
+    kinds = {"forward": forward_contenders}
+    if family == "decoder" and compiled.decoder.unpadded_prefill:
+        kinds["prefill"] = prefill_contenders
     rows = []
-    for batch, seq in SHAPES[family]:
-        if seq > compiled.max_positions:
-            continue
-        ids, mask = (t.to(device) for t in text_windows(compiled.tokenizer, batch, seq))
-        contenders = {"eager": lambda: eager(input_ids=ids, attention_mask=mask),
-                      "masked": lambda: module(ids, mask, gates),
-                      "unpadded": lambda: module(ids, None, gates)}
-        with torch.no_grad():
-            outputs = {key: first_output(run()).float() for key, run in contenders.items()}
-            print(f"{name} {batch} x {seq}", file=sys.stderr)
-            times = interleaved_medians(contenders, rounds)
-        row = {"model": name, "batch": batch, "tokens": seq,
-               **{f"{key}_ms": times[key]["median_ms"] for key in contenders},
-               "speedup": times["masked"]["median_ms"] / times["unpadded"]["median_ms"],
-               "masked_diff": (outputs["masked"] - outputs["eager"]).abs().max().item(),
-               "unpadded_diff": (outputs["unpadded"] - outputs["eager"]).abs().max().item()}
-        if family == "decoder":
-            row["top1_agreement"] = (outputs["unpadded"].argmax(-1) == outputs["eager"].argmax(-1)
-                                     ).float().mean().item()
-        rows.append(row)
+    for kind, contenders_of in kinds.items():
+        for batch, seq in SHAPES[family]:
+            if seq > compiled.max_positions - (kind == "prefill"):  # a prompt leaves a position
+                continue
+            ids, mask = (t.to(device) for t in text_windows(compiled.tokenizer, batch, seq))
+            contenders = contenders_of(compiled, eager, ids, mask)
+            with torch.no_grad():
+                outputs = {key: run() for key, run in contenders.items()}
+                print(f"{name} {kind} {batch} x {seq}", file=sys.stderr)
+                times = interleaved_medians(contenders, rounds)
+            row = {"model": name, "kind": kind, "batch": batch, "tokens": seq,
+                   **{f"{key}_ms": times[key]["median_ms"] for key in contenders},
+                   "speedup": times["masked"]["median_ms"] / times["unpadded"]["median_ms"]}
+            if kind == "forward":
+                row.update({f"{key}_diff": (outputs[key] - outputs["eager"]).abs().max().item()
+                            for key in ("masked", "unpadded")})
+            if family == "decoder":  # top-1 tokens (the first generated token: a prefill's)
+                top1 = {key: out.argmax(-1) if out.is_floating_point() else out
+                        for key, out in outputs.items()}
+                row["top1_agreement"] = (top1["unpadded"] == top1["eager"]).float().mean().item()
+            rows.append(row)
     return rows
 
 
@@ -81,10 +111,10 @@ def main(argv=None) -> int:
           f"full path; median ms per call over {args.rounds} rounds")
     print_table([{**row, **{key: f"{row[key]:.1f}" for key in ("eager_ms", "masked_ms", "unpadded_ms")},
                   "speedup": f"{row['speedup']:.2f}x",
-                  "masked_diff": f"{row['masked_diff']:.1e}", "unpadded_diff": f"{row['unpadded_diff']:.1e}",
+                  **{key: f"{row[key]:.1e}" for key in ("masked_diff", "unpadded_diff") if key in row},
                   "top1_agreement": (f"{row['top1_agreement']:.1%}" if "top1_agreement" in row else "")}
                  for row in rows],
-                [("model", "model"), ("batch", "batch"), ("tokens", "tokens"),
+                [("model", "model"), ("kind", "call"), ("batch", "batch"), ("tokens", "tokens"),
                  ("eager_ms", "eager HF"), ("masked_ms", "rbcompile masked"),
                  ("unpadded_ms", "rbcompile unpadded"), ("speedup", "unpadded speedup"),
                  ("masked_diff", "masked max diff"), ("unpadded_diff", "unpadded max diff"),

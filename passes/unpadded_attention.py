@@ -11,12 +11,15 @@ cannot, since that is a property of the values.
 This pass finds such masks and lets the generated module choose per call: a forward given the
 mask input as None (rbcompile/regions.py `Unpadded`: the artifact passes None when its
 `attention_mask` is all ones) fills that input with ones, so every other reader sees what it
-did, and drops the mask after the region that makes it; each attention reading it then runs
-with `is_causal = (mask is None)` (a decoder's) or no mask (an encoder's). A mask recognised
-needs every conjunct to be one of: all True (`new_ones`, `kv >= 0`), causality over two
-aranges of one length and offset (q along dim 2, kv along dim 3), or an index into the one
-mask input (through casts and views). Anything else (a sliding window, a cache's positions, a
-mask made inside a layer) leaves its attentions as they were. Causal masks are dropped only
+did, and drops the mask after the region that makes it; each attention reading it after that
+region then runs with `is_causal = (mask is None)` (a decoder's) or no mask (an encoder's). A
+mask recognised needs every conjunct to be one of: all True (`new_ones`, `kv >= 0`), causality
+`kv <= q` with keys 0.. along dim 3 and queries 0.. along dim 2 (SDPA's `is_causal`, whatever
+the two lengths), or an index into the one mask input (through casts and views). The KV-cached
+decoder's queries start at `cache_position[0]`: its masks are recorded with that `start`, and
+only a prefill from the first slot (`Decoder.unpadded_prefill`, `generate`) drops them.
+Anything else (a sliding window, a mask made inside a layer) leaves its attentions as they
+were. Causal masks are dropped only
 where every attention of the graph is causal (a sliding window's is): a call without padding
 then needs no mask either for the tokens the runtime pads the sequence with (they come last).
 
@@ -43,16 +46,15 @@ _SAME_VALUES = {aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_co
 
 
 def _index(node) -> tuple | None:
-    """(length, offset, dim, rank) of `arange(length) + offset` unsqueezed so that its values
-    lie along `dim` of a `rank`-D tensor; else None."""
+    """(length, offset, dim, rank) of `arange(length) + offset` (an int or a node) unsqueezed
+    so that its values lie along `dim` of a `rank`-D tensor; else None."""
     dims = []
     while isinstance(node, Node) and node.target is aten.unsqueeze.default:
         dims.append(node.args[1])
         node = node.args[0]
     offset = 0
-    if (isinstance(node, Node) and node.target is aten.add.Tensor and not node.kwargs
-            and isinstance(node.args[1], int)):
-        node, offset = node.args[0], node.args[1]
+    if isinstance(node, Node) and node.target is aten.add.Tensor and not node.kwargs:
+        node, offset = node.args
     if not (isinstance(node, Node) and node.target is aten.arange.default and len(node.args) == 1):
         return None
     dim, rank = 0, 1
@@ -70,21 +72,33 @@ def _source_input(node) -> Node | None:
     return node if isinstance(node, Node) and node.op == "placeholder" else None
 
 
+def _first_of(node) -> Node | None:
+    """The graph input whose first value `node` is (`input[0]`), or None."""
+    if (isinstance(node, Node) and node.target is aten.select.int and tuple(node.args[1:]) == (0, 0)
+            and isinstance(node.args[0], Node) and node.args[0].op == "placeholder"):
+        return node.args[0]
+    return None
+
+
 def _term(node) -> tuple[str, object] | None:
-    """What one conjunct of a mask is without padding: ("true", None), ("causal", None) or
-    ("padding", the input it indexes); None for anything else."""
+    """What one conjunct of a mask is without padding: ("true", None), ("padding", the input
+    it indexes), or ("causal", start): `kv <= q` over keys 0.. and queries 0.. (what SDPA's
+    `is_causal` masks, whatever the two lengths), start None; or queries from `start[0]` on, an
+    input (the KV-cached decoder's cache positions): causal that way when it is 0, a prefill
+    from the first slot. None for anything else."""
     if not isinstance(node, Node) or node.op != "call_function":
         return None
     if node.target is aten.new_ones.default and node.kwargs.get("dtype") is torch.bool:
         return "true", None
     if node.target is aten.ge.Scalar and node.args[1] == 0:
         index = _index(node.args[0])
-        return ("true", None) if index is not None and index[1] >= 0 else None
+        return ("true", None) if index is not None and index[1] == 0 else None
     if node.target is aten.le.Tensor:
         kv, q = (_index(arg) for arg in node.args)
-        if kv and q and kv[:2] == q[:2] and (kv[2:], q[2:]) == ((3, 4), (2, 4)):
-            return "causal", None
-        return None
+        if not (kv and q and kv[1] == 0 and (kv[2:], q[2:]) == ((3, 4), (2, 4))):
+            return None
+        start = None if q[1] == 0 else _first_of(q[1])
+        return ("causal", start) if q[1] == 0 or start is not None else None
     if node.target is aten.index.Tensor:
         source = _source_input(node.args[0])
         return ("padding", source) if source is not None else None
@@ -115,13 +129,15 @@ def _bool_mask(mask) -> Node | None:
     return mask if value is not None and value.dtype == torch.bool else None
 
 
-def _unpadded_form(mask) -> tuple[Node, bool] | None:
-    """(the mask input, causal) when `mask` without padding is causality or nothing."""
+def _unpadded_form(mask) -> tuple[Node, bool, Node | None] | None:
+    """(the mask input, causal, the input whose first value must be 0) when `mask` without
+    padding is causality or nothing."""
     terms = _conjuncts(_bool_mask(mask))
     inputs = {source for kind, source in terms if kind == "padding"}
-    if len(inputs) != 1 or any(kind == "other" for kind, _ in terms):
+    starts = {start for kind, start in terms if kind == "causal"}
+    if len(inputs) != 1 or len(starts) > 1 or any(kind == "other" for kind, _ in terms):
         return None
-    return inputs.pop(), any(kind == "causal" for kind, _ in terms)
+    return inputs.pop(), bool(starts), next(iter(starts), None)
 
 
 def _causal(attention: Node) -> bool:
@@ -134,14 +150,22 @@ def _causal(attention: Node) -> bool:
     return any(kind == "causal" for kind, _ in _conjuncts(_bool_mask(mask)))
 
 
-def _input_like(gm: GraphModule, mask_input: Node) -> Node | None:
-    """Another graph input of the mask input's shape (the token ids)."""
-    def shape(node):
-        value = tensor_val(node)
-        return None if value is None else [str(size) for size in value.shape]
+def _later(mask: Node) -> list[Node]:
+    """The readers of `mask` in regions after its own."""
+    return [user for user in mask.users if user.meta[REGION] != mask.meta[REGION]]
 
-    return next((n for n in gm.graph.nodes if n.op == "placeholder" and n is not mask_input
-                 and shape(n) == shape(mask_input)), None)
+
+def _fill_shape(gm: GraphModule, mask_input: Node) -> list[list] | None:
+    """[input, dim] per dimension of the mask input: another graph input as long there (the
+    token ids' rows and columns; the decoder's slots: a cache's), or None."""
+    def sizes(node):
+        value = tensor_val(node)
+        return [] if value is None else [str(size) for size in value.shape]
+
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n is not mask_input]
+    found = [next(([n.name, sizes(n).index(size)] for n in inputs if size in sizes(n)), None)
+             for size in sizes(mask_input)]
+    return None if not found or None in found else found
 
 
 @graph_pass(requires=("ctx:regions",))
@@ -156,34 +180,35 @@ def unpadded_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
         mask = attention.args[3]
         if mask not in forms:
             forms[mask] = _unpadded_form(mask)
+    # read after the region that makes it only by attentions, as their mask (readers in that
+    # region see the mask: in the KV-cached decoder, layer 0's attention)
     forms = {mask: form for mask, form in forms.items() if form is not None
-             and all(user in attentions and user.args[3] is mask
-                     and user.meta[REGION] != mask.meta[REGION] for user in mask.users)}
+             and all(user in attentions and user.args[3] is mask for user in _later(mask))}
     kinds = set(forms.values())
     if len(kinds) != 1:
         return PassReport(False, "no attention mask without padding is causality or nothing"
                           if not kinds else "masks of different inputs or kinds: left alone")
-    (mask_input, causal), = kinds
+    (mask_input, causal, start), = kinds
     if mask_input.name != ctx.architecture.mask_input:
         return PassReport(False, f"masks made from {mask_input.name}, not the mask input: left alone")
     if causal and not all(map(_causal, every_attention)):
         # a call without padding then takes no mask even where the runtime pads the sequence
         return PassReport(False, "causal masks beside an attention that is not causal: left alone")
-    like = _input_like(gm, mask_input)
+    like = _fill_shape(gm, mask_input)
     if like is None:
-        return PassReport(False, f"no input of {mask_input.name}'s shape to fill it from")
+        return PassReport(False, f"no inputs of {mask_input.name}'s sizes to fill it from")
     if causal:
         for mask in forms:
-            for attention in list(mask.users):
+            for attention in _later(mask):
                 with gm.graph.inserting_before(attention):
                     absent = gm.graph.call_function(operator.is_, (mask, None))
                 absent.meta.update({k: v for k, v in attention.meta.items() if k != "val"},
                                    val=False, **{FLOPS: 0})
                 attention.kwargs = {**attention.kwargs, "is_causal": absent}
     gm.recompile()
-    ctx.unpadded = {"input": mask_input.name, "like": like.name,
-                    "masks": [mask.name for mask in forms], "causal": causal}
-    readers = sum(len(mask.users) for mask in forms)
+    ctx.unpadded = {"input": mask_input.name, "like": like, "masks": [mask.name for mask in forms],
+                    "causal": causal, "start": start and start.name}
+    readers = sum(len(_later(mask)) for mask in forms)
     return PassReport(True, f"{readers} attentions run unmasked ({'causal' if causal else 'no mask'})"
                       f" when {mask_input.name} has no padding", {"attentions": readers,
                                                                    "masks": len(forms)})

@@ -235,8 +235,10 @@ def _unpadded(spec: dict | None) -> list[str]:
         return []
     return ["    # a call whose mask input is None (no padding) drops these masks: attention without",
             "    # them (passes/unpadded_attention.py)",
-            f"    UNPADDED = Unpadded(input={spec['input']!r}, like={spec['like']!r},",
-            f"                        masks={tuple(spec['masks'])!r}, causal={spec['causal']!r})"]
+            f"    UNPADDED = Unpadded(input={spec['input']!r},",
+            f"                        like={tuple(tuple(size) for size in spec['like'])!r},",
+            f"                        masks={tuple(spec['masks'])!r}, causal={spec['causal']!r},",
+            f"                        start={spec['start']!r})"]
 
 
 def generate_source(ir: dict, guards: str = "python") -> str:

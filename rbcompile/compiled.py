@@ -291,7 +291,8 @@ class CompiledModel:
                    attention_mask, shape=self.decoder.shape, max_new_tokens=max_new_tokens,
                    sampling=sampling, eos_token_ids=() if eos is None else eos, stop=stop,
                    decode=self.tokenizer.decode if stop else None, speculate=speculate,
-                   draft_step=draft, draft_cost=draft_cost, cache_pool=self.decoder.cache_pool)
+                   draft_step=draft, draft_cost=draft_cost, cache_pool=self.decoder.cache_pool,
+                   unpadded_prefill=self.decoder.unpadded_prefill)
 
     def compile_regions(self) -> "CompiledModel":
         """Compile the generated regions with inductor (first calls per shape are slow)."""

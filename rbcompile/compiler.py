@@ -197,7 +197,8 @@ def build_decoder(model, architecture, dims, module, weights: dict, title: str,
     with step(f"running {len(PIPELINE + LAYOUT_PIPELINE)} passes on the decoder"):
         run_pipeline(gm, ctx)
         run_pipeline(gm, ctx, LAYOUT_PIPELINE)
-    ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names, ctx.concatenated)
+    ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names, ctx.concatenated,
+                  ctx.unpadded)
     own = graph_weights(gm, ir)
     source, decoder_module = build_module(ir, {**own, **weights}, f"{title} decoder", (module,))
     sizes = DecoderShape(dims.layers, dims.kv_heads, dims.head_dim, dims.max_positions)

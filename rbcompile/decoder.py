@@ -70,6 +70,14 @@ class Decoder:
             self.graphs.forget(tensors)
 
     @property
+    def unpadded_prefill(self) -> bool:
+        """Whether a step takes `attention_mask=None` for a prefill from the first slot without
+        padding, attending causally without the mask (passes/unpadded_attention.py); artifacts
+        before it take a mask always."""
+        spec = getattr(self.module, "UNPADDED", None)
+        return spec is not None and spec.start == "cache_position"
+
+    @property
     def device(self) -> torch.device:
         return self.module.device
 

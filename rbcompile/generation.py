@@ -83,14 +83,19 @@ class ModelRunner:
     """Runs the full step, or the draft step (light path), on the cache's next slots."""
 
     def __init__(self, step: Callable, draft_step: Callable | None, cache: StaticKVCache,
-                 stats: GenerationStats):
+                 stats: GenerationStats, unpadded_prefill: bool = False):
         self.step, self.draft_step, self.cache, self.stats = step, draft_step, cache, stats
+        self.unpadded_prefill = unpadded_prefill
 
     def forward(self, tokens: torch.Tensor, offset: int = 0, light: bool = False,
                 last_only: bool = False) -> torch.Tensor:
         """Logits [B, T, vocab] (or [B, 1, vocab] with `last_only`) of `tokens` [B, T] written
-        from slot `length + offset` on (the cache's idle rows run copies of the last row)."""
+        from slot `length + offset` on (the cache's idle rows run copies of the last row). With
+        `unpadded_prefill`, a step from the first slot of rows without padding passes the mask
+        as None (the artifact's decoder then attends causally without it)."""
         attention_mask, position_ids, cache_position = self.cache.inputs(tokens.shape[1], offset)
+        if self.unpadded_prefill and self.cache.length + offset == 0:
+            attention_mask = None
         rows, count = tokens.shape
         logit_positions = self.cache.slots[count - 1 if last_only else 0:count]
         step = self.draft_step if light else self.step
@@ -414,7 +419,8 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
            eos_token_ids=(), stop: list[str] | None = None, decode: Callable | None = None,
            speculate: str = "off", draft_step: Callable | None = None, max_len: int | None = None,
            draft_tokens: int = 4, draft_threshold: float = 0.5,
-           draft_cost: float = 1.0, cache_pool: CachePool | None = None) -> Scheduler:
+           draft_cost: float = 1.0, cache_pool: CachePool | None = None,
+           unpadded_prefill: bool = False) -> Scheduler:
     """Generate from left-padded prompts `input_ids` [B, P] (or [P]); iterate the result for
     (row, token) as tokens are accepted, then call its `result()`.
 
@@ -426,7 +432,9 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
     calibration measured to pay: its first step may run at once). `stop`
     strings need `decode` (token ids -> text). `max_len`: the cache length (default: prompt +
     max_new_tokens; with a `cache_pool`, the K/V tensors come from it, that length rounded up
-    to its `slots`). Bad input raises a one-line `UserError` before anything runs."""
+    to its `slots`). `unpadded_prefill`: `step` takes the mask as None for a prefill from the
+    first slot without padding (`Decoder.unpadded_prefill`). Bad input raises a one-line
+    `UserError` before anything runs."""
     prompt_ids, pads = _check_prompts(input_ids, attention_mask)
     max_len = check_lengths(prompt_ids.shape[1], max_new_tokens, shape.max_positions, max_len)
     _check_speculation(speculate, draft_step, draft_tokens)
@@ -438,7 +446,8 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
         max_len = cache_pool.slots(max_len, shape.max_positions)
     cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, max_len, pads,
                           shape.dtype, shape.device, pool=cache_pool)
-    runner = ModelRunner(step, draft_step, cache, stats)
+    runner = ModelRunner(step, draft_step, cache, stats,
+                         unpadded_prefill=unpadded_prefill and not pads.any())
     prompts = [row[pad:] for row, pad in zip(prompt_ids.tolist(), pads.tolist())]
     generator = sampling.generator(shape.device)
     drafters: dict[str, Drafter] = {}

@@ -282,23 +282,29 @@ _ATTENTION = "aten.scaled_dot_product_attention.default"
 
 def _check_unpadded(ir: dict) -> None:
     """The masks a call without padding drops (passes/unpadded_attention.py) are outputs of
-    regions, read only as attention masks (in width variants too), by causal attentions with
-    `is_causal=operator.is_(mask, None)`; the mask input and the input it is filled like are
-    graph inputs."""
+    regions, read after their region only as attention masks (in width variants too), by
+    causal attentions with `is_causal=operator.is_(mask, None)`; the mask input, the inputs it is filled as long as
+    and the start input are graph inputs."""
     spec = ir.get("unpadded")
     if spec is None:
         return
     made = {name for region in ir["regions"] for name in region["outputs"]}
-    if (spec["input"] not in ir["inputs"] or spec["like"] not in ir["inputs"]
-            or spec["input"] == spec["like"] or not isinstance(spec["causal"], bool)
+    others = set(ir["inputs"]) - {spec["input"]}
+    if (spec["input"] not in ir["inputs"] or not isinstance(spec["causal"], bool)
+            or not isinstance(spec["like"], list) or not spec["like"]
+            or not all(isinstance(size, list) and len(size) == 2 and size[0] in others
+                       and type(size[1]) is int and size[1] >= 0 for size in spec["like"])
+            or spec["start"] not in (None, *others)
             or not isinstance(spec["masks"], list) or not spec["masks"]
             or not set(spec["masks"]) <= made):
         raise UserError("corrupt artifact graph: bad unpadded attention masks")
     masks, causal = set(spec["masks"]), spec["causal"]
+    made_in = {node[0]: node[4] for node in ir["nodes"] if node[0] in masks}
     for nodes in (ir["nodes"], *(variant["nodes"] for variant in ir.get("variants", []))):
         tests = {}  # operator.is_(mask, None) nodes -> the mask
-        for name, op, args, kwargs, _ in nodes:
-            reads = set(references([args, list(kwargs.values())])) & masks
+        for name, op, args, kwargs, region in nodes:
+            reads = {mask for mask in references([args, list(kwargs.values())])
+                     if mask in masks and made_in[mask] != region}  # its own region: the mask
             if not reads:
                 continue
             if op == "operator.is_" and len(args) == 2 and args[1] is None:

@@ -42,7 +42,8 @@ def plan_source(module, steps, results, unpadded: bool = False) -> str:
     lines = [f"def plan(self, {', '.join(module.INPUTS)}):"]
     if unpadded:
         spec = module.UNPADDED
-        lines.append(f"    {spec.input} = {spec.like}.new_ones({spec.like}.shape)  # no padding")
+        sizes = ", ".join(f"{name}.shape[{dim}]" for name, dim in spec.like)
+        lines.append(f"    {spec.input} = {spec.like[0][0]}.new_ones(({sizes}))  # no padding")
     defined = set(module.INPUTS)
     for step in steps:
         if step.method is None:

@@ -47,13 +47,16 @@ class Region:
 class Unpadded:
     """The masks that say nothing but causality when the mask input has no padding
     (passes/unpadded_attention.py). A call given `input` as None (no padding) fills it with
-    ones of the shape of the input `like`, and drops `masks` after the region that makes them:
-    attention then reads no mask (`is_causal` where `causal`: the tokens after the last one
-    change nothing before them, so right padding added by the runtime needs no mask either)."""
+    ones, each dimension as long as dimension `dim` of input `name` in `like`, and drops
+    `masks` after the region that makes them: attention then reads no mask (`is_causal`
+    where `causal`: the tokens after the last one change nothing before them, so right padding
+    added by the runtime needs no mask either). `start`: an input whose first value must be 0
+    in such a call (the KV-cached decoder's cache positions: a prefill from the first slot)."""
     input: str
-    like: str
+    like: tuple[tuple[str, int], ...]
     masks: tuple[str, ...]
     causal: bool
+    start: str | None = None
 
 
 def unpadded_call(module, inputs: dict) -> bool:
@@ -219,7 +222,8 @@ def fill_unpadded(module, env: dict) -> bool:
     if not unpadded_call(module, env):
         return False
     spec = module.UNPADDED
-    env[spec.input] = env[spec.like].new_ones(env[spec.like].shape)
+    env[spec.input] = env[spec.like[0][0]].new_ones(
+        tuple(env[name].shape[dim] for name, dim in spec.like))
     return True
 
 

@@ -56,8 +56,9 @@ def test_the_mask_input_and_causality_are_recognised_and_recorded(compiled):
     when it is absent (`operator.is_(mask, None)`), an encoder's just read no mask."""
     _, compiled, causal = compiled
     spec = compiled.ir["unpadded"]
-    assert spec == {"input": "attention_mask", "like": "input_ids", "masks": spec["masks"],
-                    "causal": causal} and len(spec["masks"]) == 1
+    assert spec == {"input": "attention_mask", "like": [["input_ids", 0], ["input_ids", 1]],
+                    "masks": spec["masks"], "causal": causal, "start": None}
+    assert len(spec["masks"]) == 1
     nodes = {node[0]: node for node in compiled.ir["nodes"]}
     attentions = [node for node in compiled.ir["nodes"] if node[1] == _SDPA]
     assert len(attentions) == compiled.manifest["architecture"]["layers"]
@@ -69,8 +70,10 @@ def test_the_mask_input_and_causality_are_recognised_and_recorded(compiled):
         else:
             assert "is_causal" not in kwargs
     assert compiled.module.UNPADDED.masks == tuple(spec["masks"])
-    if compiled.decoder is not None:  # its keys are cache slots, not the queries' positions
-        assert not [node for node in compiled.decoder.ir["nodes"] if node[1] == "operator.is_"]
+    if compiled.decoder is not None:  # queries from cache_position[0] on, keys over every slot
+        spec = compiled.decoder.ir["unpadded"]
+        assert spec["like"] == [["input_ids", 0], ["key_cache_0", 2]] and spec["causal"]
+        assert spec["start"] == "cache_position" and compiled.decoder.unpadded_prefill
 
 
 def test_masks_with_more_than_causality_and_padding_are_left_alone():
@@ -124,6 +127,26 @@ def test_a_call_without_padding_runs_attention_unmasked_and_equals_eager(compile
         compiled.unpadded_attention = True
 
 
+def test_a_prefill_from_the_first_slot_attends_causally_without_its_mask(compiled):
+    """The KV-cached decoder: a generation's prefill from the first slot of rows without
+    padding passes no mask (layer 0's attention, in the region that makes the mask, still
+    reads it); decode steps and padded prompts read their masks. HF's greedy tokens."""
+    model, compiled, _ = compiled
+    if compiled.decoder is None:
+        pytest.skip("an encoder")
+    ids, padded = _inputs(seq=12, seed=4)
+    layers = compiled.manifest["architecture"]["layers"]
+    for mask in (torch.ones_like(ids), padded):
+        result, calls = _attention_calls(lambda: compiled.generate(ids, mask, max_new_tokens=3))
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        assert result.tokens == expected[:, ids.shape[1]:].tolist()
+        prefill, steps = calls[:layers], calls[layers:]
+        assert len(steps) == 2 * layers and set(steps) == {(False, True)}
+        unmasked = prefill.count((True, False))
+        assert unmasked + prefill.count((False, True)) == layers
+        assert unmasked >= layers - 1 if mask is not padded else unmasked == 0
+
+
 def test_plan_functions_fill_the_mask_input_and_drop_the_mask(compiled):
     """compile_plans writes a plan of its own for calls without padding (the mask input filled
     with ones, the mask None after the region that makes it); both equal the interpreter."""
@@ -140,7 +163,8 @@ def test_plan_functions_fill_the_mask_input_and_drop_the_mask(compiled):
         assert plans.stats.compiles == 2
         gates = [True] * compiled.num_gates
         source, spec = plans.source(gates, unpadded=True), compiled.module.UNPADDED
-        assert "    attention_mask = input_ids.new_ones(input_ids.shape)  # no padding" in source
+        assert ("    attention_mask = input_ids.new_ones((input_ids.shape[0], input_ids.shape[1]))"
+                "  # no padding") in source
         assert f"    {spec.masks[0]} = None" in source
         assert "new_ones" not in plans.source(gates) and " = None" not in plans.source(gates)
     finally:
@@ -170,8 +194,9 @@ def test_a_corrupt_unpadded_record_is_refused(compiled):
     """A bad record, or an attention over a dropped mask without the causality it needs (or
     with causality an encoder's lacks): a decoder would attend to later tokens."""
     _, compiled, causal = compiled
-    for change in ({"masks": ["input_ids"]}, {"input": "nowhere"}, {"like": "attention_mask"},
-                   {"causal": "yes"}, {"masks": []}):
+    for change in ({"masks": ["input_ids"]}, {"input": "nowhere"}, {"like": "input_ids"},
+                   {"like": [["attention_mask", 0]]}, {"like": [["input_ids", -1]]},
+                   {"start": "nowhere"}, {"causal": "yes"}, {"masks": []}):
         ir = {**compiled.ir, "unpadded": {**compiled.ir["unpadded"], **change}}
         with pytest.raises(UserError, match="bad unpadded attention masks"):
             check_ir(ir)
