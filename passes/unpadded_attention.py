@@ -182,7 +182,7 @@ def unpadded_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
             forms[mask] = _unpadded_form(mask)
     # read after the region that makes it only by attentions, as their mask (readers in that
     # region see the mask: in the KV-cached decoder, layer 0's attention)
-    forms = {mask: form for mask, form in forms.items() if form is not None
+    forms = {mask: form for mask, form in forms.items() if form is not None and _later(mask)
              and all(user in attentions and user.args[3] is mask for user in _later(mask))}
     kinds = set(forms.values())
     if len(kinds) != 1:

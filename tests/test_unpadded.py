@@ -216,3 +216,21 @@ def test_the_record_survives_save_and_load(compiled, tmp_path):
     got, calls = _attention_calls(lambda: loaded(ids)[loaded.output_names[0]])
     assert calls == [(causal, False)] * len(calls) and calls
     assert (got - model(input_ids=ids)[0]).abs().max().item() <= 1e-5
+
+
+def test_a_mask_read_only_in_its_own_region_is_kept():
+    """A one-layer decoder's KV-cached graph makes its mask in the region of its only attention:
+    nothing to drop there (the main graph's attention, in a region of its own, drops it)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    compiled = rbcompile.compile(model)
+    assert compiled.module.UNPADDED.causal and "unpadded" not in compiled.decoder.ir
+    assert not compiled.decoder.unpadded_prefill
+    ids, _ = _inputs(batch=1, seq=10, seed=5)
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                              do_sample=False)
+    assert compiled.generate(ids, max_new_tokens=4).tokens == expected[:, 10:].tolist()
