@@ -283,8 +283,8 @@ _ATTENTION = "aten.scaled_dot_product_attention.default"
 def _check_unpadded(ir: dict) -> None:
     """The masks a call without padding drops (passes/unpadded_attention.py) are outputs of
     regions, read after their region only as attention masks (in width variants too), by
-    causal attentions with `is_causal=operator.is_(mask, None)`; the mask input, the inputs it is filled as long as
-    and the start input are graph inputs."""
+    causal attentions with `is_causal=operator.is_(mask, None)`; the mask input, the inputs
+    whose sizes it is filled with and the start input are graph inputs."""
     spec = ir.get("unpadded")
     if spec is None:
         return
