@@ -26,7 +26,7 @@ import torch
 
 from .errors import CompileError
 from .module import show_source
-from .regions import plan_cache_key, plan_steps, seam_terms, unpadded_call
+from .regions import plan_cache_key, plan_steps, seam_terms
 
 logger = logging.getLogger("rbcompile.plan_graphs")
 
@@ -82,6 +82,8 @@ class PlanGraphs:
         self.compiler = compiler or (lambda fn: torch.compile(fn, backend="inductor"))
         self.interpreter = types.MethodType(type(module).forward, module)  # the region interpreter
         self._plans: OrderedDict[tuple, object] = OrderedDict()
+        spec = getattr(module, "UNPADDED", None)  # where a call without padding passes None
+        self._mask_at = None if spec is None else module.INPUTS.index(spec.input)
         self.stats = PlanStats()
 
     def source(self, gates, widths=None, unpadded: bool = False) -> str:
@@ -122,7 +124,7 @@ class PlanGraphs:
         gates = rest.pop(0) if rest else gates
         widths = rest.pop(0) if rest else widths
         self.stats.calls += 1
-        unpadded = unpadded_call(self.module, dict(zip(self.module.INPUTS, inputs)))
+        unpadded = self._mask_at is not None and inputs[self._mask_at] is None
         key = plan_cache_key(self.module, gates, widths, unpadded)
         function = self._function(key, gates, widths, unpadded)
         with torch.no_grad():  # inference graphs: nothing to differentiate
