@@ -7,13 +7,16 @@ now runs when no row is padded), next to eager transformers given the same all-o
 Both rbcompile rows call the generated module directly (no CUDA graphs, no budget), so the only
 difference is the attention's mask. A decoder also gets `prefill` rows: a generation's prefill
 and first token through the KV-cached decoder, from the first slot, with its mask or without
-(`unpadded_prefill`), next to transformers' `generate` of one token. Medians of --rounds
+(`unpadded_prefill`), and `engine` rows: each row a request's first token through the
+continuous-batching engine (rbcompile/engine.py), idle before them (prompts of one length,
+prefilled together; one over 512 tokens in chunks of 512, the first from the first slot), with
+or without the mask; both next to transformers' `generate` of one token. Medians of --rounds
 interleaved rounds (ABBA); parity: the largest absolute difference of the first output (logits /
 hidden states) from eager's, and for a decoder the share of positions (prefill: rows) whose
 top-1 token agrees with eager's.
 
     python benchmarks/bench_unpadded.py [--models smollm2-135m,minilm-l6] [--rounds 5]
-        [--threads 2] [--device cpu|cuda] [--json PATH | --json -]
+        [--kinds forward,prefill,engine] [--threads 2] [--device cpu|cuda] [--json PATH | --json -]
 """
 from __future__ import annotations
 
@@ -45,6 +48,11 @@ def forward_contenders(compiled, eager, ids, mask) -> dict:
             "unpadded": lambda: first_output(module(ids, None, gates)).float()}
 
 
+def hf_first_token(eager, ids, mask):
+    return lambda: eager.generate(ids, attention_mask=mask, max_new_tokens=1,
+                                  do_sample=False)[:, -1:].cpu()
+
+
 def prefill_contenders(compiled, eager, ids, mask) -> dict:
     """A generation's prefill and first token: the KV-cached decoder from the first slot, its
     mask given or left out (`unpadded_prefill`); eager is transformers' `generate`."""
@@ -56,12 +64,32 @@ def prefill_contenders(compiled, eager, ids, mask) -> dict:
         return lambda: torch.tensor(generate(partial(compiled.decoder), ids, mask, max_new_tokens=1,
                                              shape=compiled.decoder.shape,
                                              unpadded_prefill=unpadded).tokens)
-    return {"eager": lambda: eager.generate(ids, attention_mask=mask, max_new_tokens=1,
-                                            do_sample=False)[:, -1:].cpu(),
-            "masked": rbc(False), "unpadded": rbc(True)}
+    return {"eager": hf_first_token(eager, ids, mask), "masked": rbc(False), "unpadded": rbc(True)}
 
 
-def measure(name: str, rounds: int, device: str) -> list[dict]:
+def engine_contenders(compiled, eager, ids, mask) -> dict:
+    """Each row a request's first token through the continuous-batching engine, idle before
+    them, its prefills with their mask or without (`unpadded_prefill`); eager is transformers'
+    `generate`."""
+    from rbcompile.engine import EngineRequest
+
+    def rbc(unpadded):
+        engine = compiled.batch_engine(max_batch=len(ids), unpadded_prefill=unpadded)
+
+        def run():
+            requests = [engine.submit(EngineRequest(row.tolist(), 1)) for row in ids]
+            while engine.has_work:
+                engine.step()
+            return torch.tensor([request.tokens for request in requests])
+        return run
+    return {"eager": hf_first_token(eager, ids, mask), "masked": rbc(False), "unpadded": rbc(True)}
+
+
+KINDS = {"forward": forward_contenders, "prefill": prefill_contenders,
+         "engine": engine_contenders}
+
+
+def measure(name: str, rounds: int, device: str, kinds: list[str]) -> list[dict]:
     compiled, eager = load_with_eager(name)
     compiled.to(device)
     eager.to(device)
@@ -69,16 +97,15 @@ def measure(name: str, rounds: int, device: str) -> list[dict]:
     if getattr(compiled.module, "UNPADDED", None) is None:
         raise SystemExit(f"{name}: the artifact has no masks to leave out (compiled before "
                          "unpadded_attention, or a mask it does not recognise)")
-    kinds = {"forward": forward_contenders}
-    if family == "decoder" and compiled.decoder.unpadded_prefill:
-        kinds["prefill"] = prefill_contenders
+    if not (family == "decoder" and compiled.decoder.unpadded_prefill):
+        kinds = [kind for kind in kinds if kind == "forward"]  # no KV-cached decoder
     rows = []
-    for kind, contenders_of in kinds.items():
+    for kind in kinds:
         for batch, seq in SHAPES[family]:
-            if seq > compiled.max_positions - (kind == "prefill"):  # a prompt leaves a position
+            if seq > compiled.max_positions - (kind != "forward"):  # a prompt leaves a position
                 continue
             ids, mask = (t.to(device) for t in text_windows(compiled.tokenizer, batch, seq))
-            contenders = contenders_of(compiled, eager, ids, mask)
+            contenders = KINDS[kind](compiled, eager, ids, mask)
             with torch.no_grad():
                 outputs = {key: run() for key, run in contenders.items()}
                 print(f"{name} {kind} {batch} x {seq}", file=sys.stderr)
@@ -101,12 +128,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="smollm2-135m,minilm-l6")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="comma-separated calls to time (decoders: all; encoders: forward)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, help="output path; '-' writes none")
     args = parser.parse_args(argv)
+    kinds = args.kinds.split(",")
+    if set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}; known: {', '.join(KINDS)}")
     pin_threads(args.threads)
-    rows = [row for name in args.models.split(",") for row in measure(name, args.rounds, args.device)]
+    rows = [row for name in args.models.split(",")
+            for row in measure(name, args.rounds, args.device, kinds)]
     print(f"\nbench_unpadded on {args.device} ({torch.__version__}, {args.threads} threads), fp32, "
           f"full path; median ms per call over {args.rounds} rounds")
     print_table([{**row, **{key: f"{row[key]:.1f}" for key in ("eager_ms", "masked_ms", "unpadded_ms")},

@@ -323,7 +323,8 @@ class CompiledModel:
     def batch_engine(self, max_batch: int = 16, **options):
         """A continuous-batching engine on the decoder (rbcompile/engine.py), for serving;
         `options` are BatchEngine's (`batch_buckets` defaults to whether the decoder runs
-        CUDA graphs)."""
+        CUDA graphs, `unpadded_prefill` to whether the decoder takes prefills without a
+        mask)."""
         from .engine import BatchEngine
 
         if self.decoder is None:
@@ -331,6 +332,7 @@ class CompiledModel:
         eos = self.hf_config.get("eos_token_id")
         decode = self.tokenizer.decode if self.tokenizer_dir is not None else None
         options.setdefault("batch_buckets", self.decoder.graphs is not None)
+        options.setdefault("unpadded_prefill", self.decoder.unpadded_prefill)
         return BatchEngine(self.decoder, self.decoder.shape, gates_for_budget=self.decoder_gates,
                            eos_token_ids=() if eos is None else eos, decode=decode,
                            max_batch=max_batch, release_cache=self.decoder.forget_cache,

@@ -123,14 +123,18 @@ class BatchEngine:
     the rows past the running ones idle, and the cache grows to powers of two of blocks, so
     that CUDA graphs of the step are one per bucket and doubling rather than one per count of
     running rows and block. `release_cache(tensors)` hears of K/V tensors the engine no longer
-    uses (the cache grew, or started over): the decoder's `forget_cache`."""
+    uses (the cache grew, or started over): the decoder's `forget_cache`. `unpadded_prefill`:
+    `step` takes the mask as None for a prefill from the first slot without padding (a prompt
+    alone on an idle engine, prompts of one length, a long prompt's first chunk), attending
+    causally without it (`Decoder.unpadded_prefill`)."""
 
     def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
                  eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
                  block: int = 64, wake: threading.Condition | None = None,
                  prefix_cache: PrefixCache | None = None, prefill_tokens: int = 2048,
                  prefill_chunk: int | None = 512, draft_tokens: int = 4, verify_tokens: int = 64,
-                 batch_buckets: bool = False, release_cache: Callable | None = None):
+                 batch_buckets: bool = False, release_cache: Callable | None = None,
+                 unpadded_prefill: bool = False):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         if prefill_tokens < 1:
@@ -142,7 +146,7 @@ class BatchEngine:
                             f"and {verify_tokens}")
         self.prefill_tokens, self.prefill_chunk = prefill_tokens, prefill_chunk
         self.draft_tokens, self.verify_tokens = draft_tokens, verify_tokens
-        self.batch_buckets = batch_buckets
+        self.batch_buckets, self.unpadded_prefill = batch_buckets, unpadded_prefill
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
@@ -305,9 +309,10 @@ class BatchEngine:
         start = job.done
         end = min(len(job.prompt), start + self.prefill_chunk)
         slots = torch.arange(start, end, device=device)
-        logits = self.step_fn(torch.tensor([job.prompt[start:end]], device=device),
-                              torch.ones(1, end, dtype=torch.long, device=device), slots[None],
-                              slots, torch.tensor([end - start - 1], device=device),
+        mask = None if self.unpadded_prefill and start == 0 else \
+            torch.ones(1, end, dtype=torch.long, device=device)
+        logits = self.step_fn(torch.tensor([job.prompt[start:end]], device=device), mask,
+                              slots[None], slots, torch.tensor([end - start - 1], device=device),
                               [tensor[:, :, :end] for tensor in job.kv], gates=job.gates)[0, -1]
         job.done = end
         self.stats.prefill_forwards += 1
@@ -352,7 +357,9 @@ class BatchEngine:
         ids = [[0] * (width - len(prompt)) + prompt[-width:] for prompt in prompts]
         rows = slice(first, first + len(prompts))
         slots = torch.arange(end - width, end, device=device)
-        logits = self.step_fn(torch.tensor(ids, device=device), cache.attention_mask(rows),
+        unpadded = self.unpadded_prefill and width == end and all(len(p) == end for p in prompts)
+        logits = self.step_fn(torch.tensor(ids, device=device),
+                              None if unpadded else cache.attention_mask(rows),
                               (slots[None] - cache.pads[rows, None]).clamp_min(0), slots,
                               torch.tensor([width - 1], device=device), cache.views(rows),
                               gates=gates)[:, -1]

@@ -17,6 +17,14 @@ def alone(compiled, prompt, max_new_tokens, **options):
     return compiled.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, **options).tokens[0]
 
 
+def record_forwards(engine) -> list[tuple[int, int, bool]]:
+    """(rows, tokens, reads a mask) of each forward the engine runs from now on."""
+    forwards, step = [], engine.step_fn
+    engine.step_fn = lambda ids, mask, *args, **kwargs: \
+        forwards.append((*ids.shape, mask is not None)) or step(ids, mask, *args, **kwargs)
+    return forwards
+
+
 def drain(engine, requests, submit_at: dict[int, list[EngineRequest]] | None = None, limit=500):
     """Step until every request finished; `submit_at[k]` are submitted before step k."""
     for k in range(limit):
@@ -73,9 +81,7 @@ def test_newcomers_are_prefilled_together_and_get_their_tokens_alone(compiled_ti
 
     compiled = compiled_tiny[arch][0]
     engine = compiled.batch_engine(max_batch=8, prefix_cache=PrefixCache(block_tokens=4))
-    forwards = []
-    step = engine.step_fn
-    engine.step_fn = lambda ids, *args, **kwargs: forwards.append(tuple(ids.shape)) or step(ids, *args, **kwargs)
+    forwards = record_forwards(engine)
     first = [EngineRequest(prompt, 6) for prompt in PROMPTS]
     samples = [EngineRequest(PROMPTS[0], 6, SamplingConfig(do_sample=True, temperature=0.8, seed=seed))
                for seed in (5, 6)]
@@ -83,15 +89,19 @@ def test_newcomers_are_prefilled_together_and_get_their_tokens_alone(compiled_ti
     for request in first:
         engine.submit(request)
     engine.step()
-    assert forwards[0] == (5, 11)                 # 5 prompts in one prefill: the longest is 11
+    assert forwards[0] == (5, 11, True)         # 5 prompts in one prefill: the longest is 11
     assert engine.stats.prefills == 5 and engine.stats.prefill_forwards == 1
     later = [EngineRequest(PROMPTS[2] + [50], 5), EngineRequest(PROMPTS[0] + [51, 52], 5)]
     drain(engine, first + samples + later, {0: later})
     # cached: 2 blocks of the first (12 tokens), 1 of the second (7); the window is the first's
     # 4 uncached tokens, so the second's last cached token is recomputed: 8 + 3 reused
-    assert forwards.count((2, 4)) == 1
+    assert forwards.count((2, 4, True)) == 1
     assert engine.stats.prefill_forwards == 2 and engine.stats.reused_prompt_tokens == 8 + 3
-    for request in first + later:
+    # prompts of one length on the idle engine: no padding, from the first slot, so no mask
+    same = [EngineRequest([9, 8, 7, 6, 5, 4, 3], 4), EngineRequest([4, 5, 6, 7, 8, 9, 10], 4)]
+    drain(engine, same, {0: same})
+    assert forwards[-4] == (2, 7, False) and {masked for *_, masked in forwards[-3:]} == {True}
+    for request in first + later + same:
         assert request.tokens == alone(compiled, request.prompt, request.max_new_tokens), request.prompt
     for request in samples:
         assert request.tokens == alone(compiled, PROMPTS[0], 6, do_sample=True, temperature=0.8,
@@ -108,9 +118,7 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(compiled_tiny
 
     compiled = compiled_tiny[arch][0]
     engine = compiled.batch_engine(max_batch=4, prefill_chunk=4, prefix_cache=PrefixCache(block_tokens=4))
-    forwards = []
-    step = engine.step_fn
-    engine.step_fn = lambda ids, *args, **kwargs: forwards.append(tuple(ids.shape)) or step(ids, *args, **kwargs)
+    forwards = record_forwards(engine)
     running = EngineRequest(PROMPTS[1], 12)
     long = EngineRequest(PROMPTS[2], 5)
     samples = [EngineRequest(PROMPTS[2] + [60, 61, 62], 4,
@@ -121,7 +129,10 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(compiled_tiny
     engine.submit_samples(samples)
     for _ in range(3):                  # three chunks (4 + 4 + 3), each before a decode step
         engine.step()
-    assert forwards[:8] == [(1, 2), (1, 1), (1, 4), (1, 1), (1, 4), (1, 1), (1, 3), (2, 1)]
+    # the prompt alone on the idle engine and the first chunk start at the first slot without
+    # padding: no mask (passes/unpadded_attention.py); later chunks and decode steps read theirs
+    assert forwards[:8] == [(1, 2, False), (1, 1, True), (1, 4, False), (1, 1, True), (1, 4, True),
+                            (1, 1, True), (1, 3, True), (2, 1, True)]
     assert len(running.tokens) == 5 and len(long.tokens) == 2
     later = EngineRequest(PROMPTS[2] + [70, 71, 72, 73, 74], 3)
     drain(engine, [running, long, *samples, later], {3: [later]})
