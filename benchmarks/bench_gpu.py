@@ -34,7 +34,10 @@ replays, eager calls, memory fallbacks). Contenders (and cases) that would start
 `--deadline-s` are skipped and listed. The prefill cases compile the artifact once per kernel
 setting and load a fresh copy per contender. `--smoke` runs tiny configs (on CPU too) to test
 the script itself. Writes OUT_DIR/bench_gpu.json after each row, atomically (a run killed at
-its time limit keeps the rows it finished, and a SIGTERM still prints the table).
+its time limit keeps the rows it finished, and a SIGTERM still prints the table). `--profile`
+contenders get one more call of their full path under torch.profiler: device time by kind of
+kernel (gemm, attention, inductor's Triton, rbcompile's Triton, copies, other) and the longest
+kernels, next to the wall time, so a miss says where its time goes.
 """
 from __future__ import annotations
 
@@ -116,6 +119,56 @@ def time_ms(fn, device, runs: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+# what a kernel does, from its name (lower-cased); the first kind with a matching part wins
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "efficient")),
+                ("gemm", ("gemm", "cutlass", "cublas", "xmma", "nvjet", "triton_tem", "splitk",
+                          "aten::mm", "aten::addmm", "aten::bmm")),  # the last: CPU ops
+                ("inductor triton", ("triton_",)),
+                ("copy", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")))
+
+
+def kernel_kind(name: str) -> str:
+    name = name.lower()
+    for kind, parts in KERNEL_KINDS:
+        if any(part in name for part in parts):
+            return kind
+    if name.startswith("_") and name.endswith("_kernel"):  # kernels/*.py: _rms_norm_kernel, ...
+        return "rbcompile triton"
+    return "other"
+
+
+def kernel_profile(fn, device, top: int = 12) -> dict:
+    """Where one call of `fn` spends device time: its kernels (CUDA; CPU: its ops' self time)
+    summed by kind and by name, the `top` longest names with their calls. Kernels replayed
+    from a CUDA graph count as the profiler reports them (`events` 0: it reported none)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    sync(device)
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    by_name: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type != (DeviceType.CUDA if cuda else DeviceType.CPU):
+            continue
+        us = event.time_range.elapsed_us() if cuda else event.self_cpu_time_total
+        calls_us = by_name.setdefault(event.name, [0, 0.0])
+        calls_us[0] += 1
+        calls_us[1] += us
+    by_kind: dict[str, float] = {}
+    for name, (_, us) in by_name.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us
+    longest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {"events": sum(calls for calls, _ in by_name.values()),
+            "total_ms": sum(by_kind.values()) / 1e3,
+            "by_kind_ms": {kind: round(us / 1e3, 4) for kind, us in
+                           sorted(by_kind.items(), key=lambda item: -item[1])},
+            "top": [[name[:80], calls, round(us / 1e3, 4)] for name, (calls, us) in longest]}
+
+
 def first_tensor(out):
     if isinstance(out, dict):
         return out.get("logits", out.get("last_hidden_state"))
@@ -132,14 +185,15 @@ class Case:
     def __init__(self, name, deadline, device, runs, warmup=3, save=lambda: None):
         self.name, self.deadline, self.device, self.runs = name, deadline, device, runs
         self.warmup = warmup
-        self.rows, self.skipped, self.skip = [], [], set()
+        self.rows, self.skipped, self.skip, self.profile = [], [], set(), set()
         self.save = save  # called after each row: a run killed at its limit keeps what it did
 
     def contender(self, label, setup, budgets=(None,), runs=None):
         """`setup()` -> (run(budget) -> output tensor or None, reference output), and any
         `notes(budget) -> dict` of fields for the row (plan_failures, graph counts, skipped
         share). One row per budget: median ms over `runs` (default the case's), and parity
-        with eager (full path) or agreement (budgets) of the last timed run's output."""
+        with eager (full path) or agreement (budgets) of the last timed run's output; a label
+        in `profile` gets its full path's kernels (`kernel_profile`) in its first row."""
         if label in self.skip or time.monotonic() > self.deadline:
             self.skipped.append(label)
             why = "--skip" if label in self.skip else "deadline"
@@ -167,6 +221,8 @@ class Case:
                 print(f"  {self.name}/{label} budget {budget or 0:g}: {ms:.3f} ms "
                       f"(setup {compile_s:.0f} s) {self.rows[-1]['check']}", flush=True)
                 self.save()
+            if label in self.profile:
+                self._profile(self.rows[-len(budgets)], lambda: run(None))
         except Exception as exc:  # one contender failing must not lose the others' numbers
             message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             print(f"  {self.name}/{label}: FAILED {message}", flush=True)
@@ -174,6 +230,19 @@ class Case:
             self.save()
         finally:  # the contender's graphs and pools go before the next one's are captured
             free_memory(self.device)
+
+    def _profile(self, row, fn):
+        """The full path's kernels into `row` (a profiler failing loses only them)."""
+        try:
+            row["kernels"] = kernels = kernel_profile(fn, self.device)
+        except Exception as exc:
+            row["kernels_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"  {self.name}/{row['contender']}: profile FAILED {row['kernels_error']}", flush=True)
+            return
+        kinds = ", ".join(f"{kind} {ms:.2f}" for kind, ms in kernels["by_kind_ms"].items())
+        print(f"  {self.name}/{row['contender']} kernels: {kernels['total_ms']:.2f} ms in "
+              f"{kernels['events']} ({kinds}) of {row['ms']:.2f} ms wall", flush=True)
+        self.save()
 
     def row(self, label, budget, ms, compile_s, out, reference):
         from rbcompile.placement import within_tolerance
@@ -371,6 +440,9 @@ def main(argv=None):
                         help="timed generate calls per decode contender (default 5)")
     parser.add_argument("--smoke", action="store_true", help="tiny configs (CPU allowed)")
     parser.add_argument("--skip", default="", help="comma-separated contenders not to run")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated contenders whose full path's kernels are profiled "
+                        "once after timing (time by kind and by kernel name, in the JSON rows)")
     args = parser.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(cases) - set(CASES))
@@ -411,7 +483,7 @@ def run_case(name, spec, deadline, device, args, results, save):
     decode = name == "smol-decode"  # one generate warms up its 128 forward calls
     runs = 3 if args.smoke else args.decode_runs if decode else args.runs
     case = Case(name, deadline, device, runs, 1 if decode else 3, save)
-    case.skip = set(args.skip.split(","))
+    case.skip, case.profile = set(args.skip.split(",")), set(args.profile.split(","))
     results["cases"][name] = {"shape": [first, second], "dtype": str(dtype), "rows": case.rows,
                               "skipped": case.skipped}
     if time.monotonic() > deadline:  # not even the model and its reference
@@ -442,6 +514,9 @@ def print_summary(results):
             tps = f" {r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else ""
             print(f"  {name:<13} {r['contender']:<15} b={r['budget']:<4g} {r['ms']:9.3f} ms{tps} "
                   f"{ratio:>22}  {r['check']}")
+            if "kernels" in r:
+                kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in r["kernels"]["by_kind_ms"].items())
+                print(f"  {'':<13} {'':<15} kernels {r['kernels']['total_ms']:.2f} ms: {kinds}")
         if case["skipped"]:
             print(f"  {name:<13} skipped (deadline or --skip): {', '.join(case['skipped'])}")
 

@@ -9,7 +9,8 @@
 #    prefill and decode, 1B-sized Llama bf16 prefill; eager, inductor, rbcompile; parity).
 # STEPS picks steps (default "test_kernels bench_kernels bench_gqa bench_gpu"; "tune_kernels" sweeps the
 # kernels' launch configs with benchmarks/tune_kernels.py); DEADLINE_S bounds bench_gpu, CASES
-# picks its cases, SKIP contenders not to run.
+# picks its cases, SKIP contenders not to run, PROFILE contenders whose kernels are profiled
+# (default inductor, inductor-ro, rbc-graphs, rbc-k-graphs, rbc-generate; "" for none).
 # Each step runs under a timeout, cut to what is left of BUDGET_S (default 450: the issue's
 # 8 minutes, leaving a 15-minute lease room for tune_kernels and a machine start), the
 # end-to-end one also under its own deadline (DEADLINE_S, at most 90 s before its limit). Writes at most
@@ -75,7 +76,8 @@ for name in ${STEPS:-test_kernels bench_kernels bench_gqa bench_gpu}; do
         bench_gpu) limit=$(( $(left) < 330 ? $(left) : 330 )); deadline=${DEADLINE_S:-240}
                    (( deadline > limit - 90 )) && deadline=$(( limit > 90 ? limit - 90 : 0 ))
                    step bench_gpu 330 "$PY" benchmarks/bench_gpu.py --out "$OUT" --deadline-s "$deadline" \
-                          --cases "${CASES:-smol-decode,llama1b,bert,smol-prefill}" --skip "${SKIP:-}" ;;
+                          --cases "${CASES:-smol-decode,llama1b,bert,smol-prefill}" --skip "${SKIP:-}" \
+                          --profile "${PROFILE-inductor,inductor-ro,rbc-graphs,rbc-k-graphs,rbc-generate}" ;;
         *) echo "gpu_check: unknown step $name" >&2; false ;;
     esac || rc=1
 done

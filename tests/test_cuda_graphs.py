@@ -313,3 +313,30 @@ def test_gpu_scripts_refuse_without_cuda_in_one_line(tmp_path, command):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0], result.stderr
     assert not (tmp_path / "out" / "bench_gpu.json").exists()
+
+
+def test_bench_gpu_profiles_device_time_by_kind_of_kernel():
+    """bench_gpu's --profile: kernel names sorted into kinds, and one call's time summed by kind
+    and by name (on CPU: its ops' self time)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    kinds = {"void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>": "attention",
+             "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",
+             "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
+             "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN": "gemm",
+             "triton_poi_fused__to_copy_add_mul_0": "inductor triton",
+             "_rms_norm_kernel": "rbcompile triton", "Memcpy DtoD (Device -> Device)": "copy",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::silu>": "other"}
+    assert {name: bench_gpu.kernel_kind(name) for name in kinds} == kinds
+    q, weight = torch.randn(1, 2, 64, 16), torch.randn(256, 256)
+    x = torch.randn(64, 256)
+    profile = bench_gpu.kernel_profile(
+        lambda: (torch.nn.functional.scaled_dot_product_attention(q, q, q), x @ weight, x @ weight),
+        torch.device("cpu"))
+    assert {"gemm", "attention"} <= set(profile["by_kind_ms"]) and profile["events"] >= 3
+    assert profile["total_ms"] == pytest.approx(sum(profile["by_kind_ms"].values()), rel=1e-3)
+    assert ["aten::mm", 2] == profile["top"][[row[0] for row in profile["top"]].index("aten::mm")][:2]
