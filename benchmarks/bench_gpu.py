@@ -145,7 +145,7 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(device)
     with profile(activities=activities) as prof:
         fn()
