@@ -30,7 +30,9 @@ default there). Times are medians of wall times synchronised around each run, af
 the last timed run's output of every contender's full path is checked against eager in the same
 dtype (rbcompile/placement.py tolerances), budgets' against eager's top-1 (and their share of
 skipped FLOPs is recorded); the artifact rows record their CUDA graph counts (captures,
-replays, eager calls, memory fallbacks). Contenders (and cases) that would start after
+replays, eager calls, memory fallbacks). The contenders the issue's targets need run first
+in every case (eager, inductor, inductor-ro, rbc-graphs, rbc-k-graphs, rbc-generate), the
+others after all of those, in case order; contenders (and cases) that would start after
 `--deadline-s` are skipped and listed. The prefill cases compile the artifact once per kernel
 setting and load a fresh copy per contender. `--smoke` runs tiny configs (on CPU too) to test
 the script itself. Writes OUT_DIR/bench_gpu.json after each row, atomically (a run killed at
@@ -180,20 +182,28 @@ def first_tensor(out):
 
 
 class Case:
-    """Runs contenders of one case, recording rows; skips those past the deadline."""
+    """Runs contenders of one case, recording rows; skips those past the deadline. `extra`
+    contenders (those no target needs) go to `deferred`, when given: every case's target rows
+    come first, the extras after them while the deadline allows. `tokens`: tokens a call
+    generates (decode: the rows get tokens/s)."""
 
-    def __init__(self, name, deadline, device, runs, warmup=3, save=lambda: None):
+    def __init__(self, name, deadline, device, runs, warmup=3, save=lambda: None,
+                 deferred: list | None = None, tokens: int | None = None):
         self.name, self.deadline, self.device, self.runs = name, deadline, device, runs
-        self.warmup = warmup
+        self.warmup, self.deferred, self.tokens = warmup, deferred, tokens
         self.rows, self.skipped, self.skip, self.profile = [], [], set(), set()
         self.save = save  # called after each row: a run killed at its limit keeps what it did
 
-    def contender(self, label, setup, budgets=(None,), runs=None):
+    def contender(self, label, setup, budgets=(None,), runs=None, extra=False):
         """`setup()` -> (run(budget) -> output tensor or None, reference output), and any
         `notes(budget) -> dict` of fields for the row (plan_failures, graph counts, skipped
-        share). One row per budget: median ms over `runs` (default the case's), and parity
-        with eager (full path) or agreement (budgets) of the last timed run's output; a label
-        in `profile` gets its full path's kernels (`kernel_profile`) in its first row."""
+        share; a "check" field is appended to the row's check). One row per budget: median ms
+        over `runs` (default the case's), and parity with eager (full path) or agreement
+        (budgets) of the last timed run's output; a label in `profile` gets its full path's
+        kernels (`kernel_profile`) in its first row."""
+        if extra and self.deferred is not None:
+            self.deferred.append((self, (label, setup, budgets, runs)))
+            return
         if label in self.skip or time.monotonic() > self.deadline:
             self.skipped.append(label)
             why = "--skip" if label in self.skip else "deadline"
@@ -212,12 +222,13 @@ class Case:
                 def timed(budget=budget):
                     last[:] = [run(budget)]
                 ms = time_ms(timed, self.device, runs or self.runs, self.warmup)
-                self.rows.append(self.row(label, budget, ms, compile_s, last[0], reference))
+                row = self.row(label, budget, ms, compile_s, last[0], reference)
+                self.rows.append(row)
                 for note in notes:
-                    self.rows[-1].update(note(budget))
-                if self.rows[-1].get("plan_failures"):  # those plans ran the interpreter
-                    self.rows[-1]["check"] += (f"; {self.rows[-1]['plan_failures']} plan "
-                                               "compiles failed")
+                    fields = note(budget)
+                    if "check" in fields:
+                        row["check"] += "; " + fields.pop("check")
+                    row.update(fields)
                 print(f"  {self.name}/{label} budget {budget or 0:g}: {ms:.3f} ms "
                       f"(setup {compile_s:.0f} s) {self.rows[-1]['check']}", flush=True)
                 self.save()
@@ -249,6 +260,8 @@ class Case:
 
         row = {"case": self.name, "contender": label, "budget": budget or 0.0, "ms": ms,
                "setup_s": compile_s}
+        if self.tokens:
+            row["tokens_per_s"] = self.tokens / (ms / 1e3)
         if reference is None or out is None:
             row["check"] = ""
         elif out.dtype in (torch.int64, torch.int32):  # generated tokens
@@ -268,7 +281,9 @@ class Case:
 def plan_failures(compiled) -> dict:
     """Plans of the artifact (and its decoder) whose compile failed (they ran the interpreter)."""
     graphs = [g for g in (compiled.plan_graphs, getattr(compiled.decoder, "plan_graphs", None)) if g]
-    return {"plan_failures": sum(g.stats.failures for g in graphs)} if graphs else {}
+    failures = sum(g.stats.failures for g in graphs)
+    return ({"plan_failures": failures} if graphs else {}) | (
+        {"check": f"{failures} plan compiles failed"} if failures else {})
 
 
 def graph_counts(graphs) -> dict:
@@ -342,11 +357,12 @@ def prefill_case(case: Case, model, batch, seq, args):
 
     graphs = "-graphs" if case.device.type == "cuda" else ""
     case.contender(f"rbc{graphs}", artifact(), (None, *BUDGETS))
-    case.contender(f"rbc-masked{graphs}", artifact(unpadded=False), (None,))
-    case.contender(f"rbc-plan{graphs}", artifact("plan"), (None, BUDGETS[0]))
-    case.contender(f"rbc-ind{graphs}", artifact("regions"), (None, *BUDGETS))
-    case.contender(f"rbc-k{graphs}", artifact(kernels=True), (None, BUDGETS[0]))
-    case.contender(f"rbc-k-noseams{graphs}", artifact(kernels=True, seams=False), (None,))
+    case.contender(f"rbc-k{graphs}", artifact(kernels=True), (None, BUDGETS[0]))  # CUDA's default
+    case.contender(f"rbc-masked{graphs}", artifact(unpadded=False), (None,), extra=True)
+    case.contender(f"rbc-ind{graphs}", artifact("regions"), (None, *BUDGETS), extra=True)
+    case.contender(f"rbc-plan{graphs}", artifact("plan"), (None, BUDGETS[0]), extra=True)
+    case.contender(f"rbc-k-noseams{graphs}", artifact(kernels=True, seams=False), (None,),
+                   extra=True)
 
 
 def decode_case(case: Case, model, prompt, new, args):
@@ -369,11 +385,18 @@ def decode_case(case: Case, model, prompt, new, args):
 
     reference = generate()
 
-    def patched(compiled_forward, hf_compile=False):
+    def patched(compiled_forward, hf_compile=False, notes=()):
         def setup():
             model.forward = compiled_forward
-            return (lambda budget: generate(budget, hf_compile)), reference
+            return (lambda budget: generate(budget, hf_compile)), reference, *notes
         return setup
+
+    def backend_graphs(budget):  # both backend contenders' graphs (0 gates: not adaptive)
+        handled = [graph.handled_by for graph in backend.compiled_graphs()]
+        graphs = {by: handled.count(by) for by in set(handled)}
+        gates = sorted({graph.num_gates for graph in backend.compiled_graphs()
+                        if graph.handled_by == "rbcompile"})
+        return {"graphs": graphs, "gates": gates, "check": f"graphs {graphs}, gates {gates}"}
 
     if case.device.type == "cuda":
         case.contender("inductor-ro", patched(forward, hf_compile=True))
@@ -403,26 +426,15 @@ def decode_case(case: Case, model, prompt, new, args):
     options = {"cuda_graphs": cuda, "regions": "eager", "kernels": cuda}
     backend.reset()
     case.contender("rbc-generate", artifact_generate(), (None, *BUDGETS))
-    case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile",
-                                                        options=options)), (None, *BUDGETS))
-    case.contender("eager", patched(forward), runs=1)
-    case.contender("rbc-generate-plan", artifact_generate(plans=True), (None, BUDGETS[0]))
+    case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile", options=options),
+                                          notes=(backend_graphs,)), (None, *BUDGETS), extra=True)
+    case.contender("eager", patched(forward), runs=1, extra=True)
+    case.contender("rbc-generate-plan", artifact_generate(plans=True), (None, BUDGETS[0]), extra=True)
     case.contender("rbc-backend-plan", patched(torch.compile(
-        forward, backend="rbcompile", options={**options, "regions": "plan"})), (None,))
+        forward, backend="rbcompile", options={**options, "regions": "plan"}),
+        notes=(backend_graphs,)), (None,), extra=True)
     # rbc-generate without stacked projections (passes/fuse_projections.py): what they save
-    case.contender("rbc-generate-unstacked", artifact_generate(stack=False), (None,))
-    graphs = backend.compiled_graphs()  # both backend contenders' (0 gates: not adaptive)
-    handled = [g.handled_by for g in graphs]
-    gates = sorted({g.num_gates for g in graphs if g.handled_by == "rbcompile"})
-    for row in case.rows:
-        if row["contender"].startswith("rbc-backend") and "check" in row:
-            row["graphs"] = {by: handled.count(by) for by in set(handled)}
-            row["gates"] = gates
-            row["check"] += f"; graphs {row['graphs']}, gates {gates}"
-    model.forward = forward
-    for row in case.rows:
-        if "ms" in row:
-            row["tokens_per_s"] = new / (row["ms"] / 1e3)
+    case.contender("rbc-generate-unstacked", artifact_generate(stack=False), (None,), extra=True)
 
 
 def main(argv=None):
@@ -468,21 +480,28 @@ def main(argv=None):
     try:
         with tempfile.TemporaryDirectory(prefix="bench_gpu_") as scratch:
             args.scratch = scratch  # artifacts the prefill contenders load
+            deferred = []  # (case, contender arguments) of the extras, in case order
             for name in cases:
-                run_case(name, table[name], deadline, device, args, results, save)
+                run_case(name, table[name], deadline, device, args, results, save, deferred)
+            if deferred:
+                print("extras (no target needs them):", flush=True)
+            for case, contender in deferred:
+                case.deferred = None
+                case.contender(*contender)
     finally:
         save()
         print_summary(results)
     return 0
 
 
-def run_case(name, spec, deadline, device, args, results, save):
+def run_case(name, spec, deadline, device, args, results, save, deferred):
     config, dtype, first, second = spec
     print(f"{name}: {config.model_type} hidden {config.hidden_size} x "
           f"{config.num_hidden_layers} layers, {str(dtype)[6:]}", flush=True)
     decode = name == "smol-decode"  # one generate warms up its 128 forward calls
     runs = 3 if args.smoke else args.decode_runs if decode else args.runs
-    case = Case(name, deadline, device, runs, 1 if decode else 3, save)
+    case = Case(name, deadline, device, runs, 1 if decode else 3, save, deferred,
+                tokens=second if decode else None)
     case.skip, case.profile = set(args.skip.split(",")), set(args.profile.split(","))
     results["cases"][name] = {"shape": [first, second], "dtype": str(dtype), "rows": case.rows,
                               "skipped": case.skipped}
