@@ -18,9 +18,12 @@ artifact runtime (`CompiledModel.use_cuda_graphs`) and the torch.compile backend
   floats and lists it was captured with: dynamo passes a changing int as one);
 - static inputs: each tensor input is copied into a buffer of the graph's own before a replay,
   except inputs `in_place(tensor)` accepts (a static KV cache marked with
-  `torch._dynamo.mark_static_address`, buffers the caller owns), which the graph reads where they
-  are; their addresses are part of the key. Outputs are copied out, so a later replay never
-  overwrites what a caller holds;
+  `torch._dynamo.mark_static_address`, buffers the caller owns) and inputs at the positions
+  `in_place_at` (those the run writes: a copy would take the write), which the graph reads where
+  they are; their addresses are part of the key. The inputs at `in_place_at` are put back after
+  a capture (whose warm-up runs write them), so a call writes them once (a counter the run
+  increments counts one). Outputs are copied out, so a later replay never overwrites what a
+  caller holds;
 - cheap to repeat: a call whose in-place inputs are the very tensor objects the last replayed
   graph read (a decode step's 2 x layers cache tensors, step after step) is matched to that
   graph by identity and the other inputs' keys, without keying every input again. A tensor
@@ -146,14 +149,14 @@ class GraphCache:
 
     def __init__(self, run: Callable, *, max_graphs: int = 16, capture_after: int = 1,
                  min_free_fraction: float = 0.05, in_place: Callable = is_static_address,
-                 capture: Callable | None = None,
+                 in_place_at: frozenset[int] = frozenset(), capture: Callable | None = None,
                  free_fraction: Callable[[list], float] | None = None):
         if max_graphs < 1 or capture_after < 1:
             raise ValueError("max_graphs and capture_after must be >= 1")
         self.run = run
         self.max_graphs, self.capture_after = max_graphs, capture_after
         self.min_free_fraction = min_free_fraction
-        self.in_place = in_place
+        self.in_place, self.in_place_at = in_place, in_place_at
         self._capture = capture or self._cuda_capture
         self._pool = None
         # a custom capture (a fake one on CPU) has no device memory to watch unless told
@@ -208,14 +211,17 @@ class GraphCache:
             self.stats.eager_calls += 1
         return self.run(*inputs)
 
+    def _reads_in_place(self, position: int, value) -> bool:
+        return isinstance(value, torch.Tensor) and (position in self.in_place_at
+                                                    or self.in_place(value))
+
     def _input_keys(self, inputs, positions=None) -> tuple:
         """Per input (at `positions`, default all): a tensor's shape, dtype and (read in place)
         address, else its value. One pass: a decode step has two cache tensors per layer."""
-        in_place = self.in_place
-        if positions is not None:
-            inputs = map(inputs.__getitem__, positions)
-        return tuple((v.shape, v.dtype, v.data_ptr() if in_place(v) else None)
-                     if isinstance(v, torch.Tensor) else _frozen(v) for v in inputs)
+        in_place, at = self.in_place, self.in_place_at
+        indexed = enumerate(inputs) if positions is None else ((i, inputs[i]) for i in positions)
+        return tuple((v.shape, v.dtype, v.data_ptr() if i in at or in_place(v) else None)
+                     if isinstance(v, torch.Tensor) else _frozen(v) for i, v in indexed)
 
     def _repeated(self, key: tuple, inputs) -> _Graph | None:
         """The last replayed graph, if this call is one to it again (see the module
@@ -229,21 +235,27 @@ class GraphCache:
         return last.graph
 
     def _remember(self, key: tuple, graph: _Graph, inputs, input_keys: tuple) -> None:
-        in_place = tuple(i for i, v in enumerate(inputs)
-                         if isinstance(v, torch.Tensor) and self.in_place(v))
+        in_place = tuple(i for i, v in enumerate(inputs) if self._reads_in_place(i, v))
         others = tuple(sorted(set(range(len(inputs))) - set(in_place)))
         self._last = _LastReplay(key, graph, len(inputs), in_place,
                                  tuple(inputs[i] for i in in_place), others,
                                  tuple(input_keys[i] for i in others))
 
     def _try_capture(self, key: tuple, inputs) -> _Graph | None:
-        copied = [isinstance(v, torch.Tensor) and not self.in_place(v) for v in inputs]
+        copied = [isinstance(v, torch.Tensor) and not self._reads_in_place(i, v)
+                  for i, v in enumerate(inputs)]
         try:
             if self._free_fraction(inputs) < self.min_free_fraction:
                 self.stats.memory_fallbacks += 1
                 return None
             static = [v.clone() if copy else v for v, copy in zip(inputs, copied)]
-            replay, outputs = self._capture(self.run, static)
+            written = [(inputs[i], inputs[i].clone()) for i in sorted(self.in_place_at)
+                       if isinstance(inputs[i], torch.Tensor)]
+            try:
+                replay, outputs = self._capture(self.run, static)
+            finally:  # the capture's runs (warm-up) leave the written inputs as they were
+                for tensor, before in written:
+                    tensor.copy_(before)
         except torch.OutOfMemoryError:
             self.stats.memory_fallbacks += 1
             return None
@@ -271,9 +283,9 @@ class GraphCache:
         storages = {tensor.untyped_storage().data_ptr() for tensor in tensors}
         with self._lock:
             for key in [key for key, graph in self._graphs.items()
-                        if any(isinstance(value, torch.Tensor) and self.in_place(value)
+                        if any(self._reads_in_place(i, value)
                                and value.untyped_storage().data_ptr() in storages
-                               for value in graph.inputs)]:
+                               for i, value in enumerate(graph.inputs))]:
                 del self._graphs[key]
                 self.stats.released += 1
                 self._last = None

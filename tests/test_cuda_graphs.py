@@ -165,6 +165,24 @@ def test_in_place_inputs_are_read_where_they_are_and_key_by_address():
     assert cache.stats.captures == 2 and capture.captured[1][1] is other
 
 
+def test_inputs_a_run_writes_are_read_in_place_by_position():
+    """`in_place_at`: the positions of inputs the run writes (a torch.compile graph's cache
+    writes) are read where they are, so a replay's write reaches the caller's tensor, once per
+    call (the capture's runs are undone); a copied input's write would stay in the graph's own
+    buffer."""
+    def run(x, counter):
+        counter.add_(x)
+        return counter * 2
+
+    for in_place_at in (frozenset({1}), frozenset()):
+        cache, capture = _cache(run, in_place_at=in_place_at)
+        counter = torch.zeros(2)
+        for _ in range(3):
+            cache("step", torch.ones(2), counter)
+        assert cache.stats.replays == 3 and (capture.captured[0][1] is counter) == bool(in_place_at)
+        assert torch.equal(counter, torch.full((2,), 3.0 if in_place_at else 0.0))
+
+
 def test_a_repeated_call_replays_its_graph_without_keying_every_input(monkeypatch):
     """A call whose in-place inputs are the objects the last replay read (a decode step's cache)
     is matched by identity and the other inputs' keys: only those are keyed again. Any change
