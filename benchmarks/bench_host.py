@@ -10,7 +10,14 @@ GPU each is a kernel launch or a copy.
 
 Contenders, each at batch 1 and batch 8 (greedy, --new-tokens per row, no EOS):
   generate   `CompiledModel.generate` (a static batch: rbcompile run, the Python API);
-  engine     `BatchEngine.step` (continuous batching: what `rbcompile serve` runs).
+  engine     `BatchEngine.step` (continuous batching: what `rbcompile serve` runs);
+  backend    transformers' `generate` with a static cache, the model's forward compiled by
+             `torch.compile(backend="rbcompile", options={"cuda_graphs": True})` (eager regions):
+             a step is the time from one decode forward call to the next, transformers' loop
+             included, dynamo's guards too (its ops are not counted: counting them would change
+             what dynamo runs);
+  hf-loop    the same `generate` with a forward that computes nothing (returns fixed logits):
+             transformers' own share of a backend step.
 The model is a random Llama with SmolLM2-135M's layer and head counts at a tiny width (the
 host's work depends on the layers, not the width). Median per-step time over --rounds runs,
 steps before the first replay of a shape left out (they run the model eagerly).
@@ -94,6 +101,49 @@ def engine_steps(compiled, prompts: torch.Tensor, new_tokens: int):
 CONTENDERS = {"generate": generate_steps, "engine": engine_steps}
 
 
+def generate_step_times(model, prompts: torch.Tensor, new_tokens: int, forward) -> list[float]:
+    """Seconds from each decode forward call of transformers' `generate` (static cache) to the
+    next, with `forward` as the model's forward."""
+    starts = []
+
+    def timed(*args, **kwargs):
+        starts.append(time.perf_counter())
+        return forward(*args, **kwargs)
+    model.forward = timed
+    with torch.no_grad():
+        model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                       disable_compile=True)
+    return [later - earlier for earlier, later in zip(starts[1:], starts[2:])]
+
+
+def transformers_rows(args) -> list[dict]:
+    """The `backend` and `hf-loop` rows (see the module docstring)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    model = tiny_smollm(args.layers)
+    forward = model.forward
+    options = {"regions": "eager", "cuda_graphs": True, "capture": free_replay}
+    compiled = torch.compile(forward, backend="rbcompile", options=options)
+
+    def no_model(*args, **kwargs):
+        rows = kwargs["input_ids"].shape[0]
+        return CausalLMOutputWithPast(logits=torch.zeros(rows, 1, model.config.vocab_size))
+    rows = []
+    for name, run in (("backend", compiled), ("hf-loop", no_model)):
+        for batch in args.batches:
+            say(f"{name}, batch {batch} ...")
+            prompts = torch.randint(3, 512, (batch, 32), generator=torch.Generator().manual_seed(batch))
+            for _ in range(2):   # capture every shape this run meets
+                generate_step_times(model, prompts, args.new_tokens, run)
+            medians = [statistics.median(generate_step_times(model, prompts, args.new_tokens, run))
+                       for _ in range(args.rounds)]
+            rows.append({"contender": name, "batch": batch, "host_us": 1e6 * statistics.median(medians),
+                         "host_us_min": 1e6 * min(medians)})
+    model.forward = forward
+    return rows
+
+
 def measure(compiled, name: str, batch: int, args) -> dict:
     graphs = compiled.decoder.graphs
     prompts = torch.randint(3, 512, (batch, 32), generator=torch.Generator().manual_seed(batch))
@@ -137,12 +187,14 @@ def main(argv=None) -> int:
         for batch in args.batches:
             say(f"{name}, batch {batch} ...")
             rows.append(measure(compiled, name, batch, args))
+    rows += transformers_rows(args)
     print(f"\nbench_host: host time per decode step around a free replay ({args.layers} layers, "
           f"{args.new_tokens} new tokens per row, median of {args.rounds} runs' medians, "
           f"{args.threads} thread)")
     print_table([{**row, "host_us": f"{row['host_us']:.0f}", "host_us_min": f"{row['host_us_min']:.0f}",
-                  "ops_per_step": f"{row['ops_per_step']:.1f}",
-                  "repeat_share": f"{100 * row['repeat_share']:.0f}%"} for row in rows],
+                  "ops_per_step": f"{row['ops_per_step']:.1f}" if "ops_per_step" in row else "",
+                  "repeat_share": f"{100 * row['repeat_share']:.0f}%" if "repeat_share" in row else ""}
+                 for row in rows],
                 [("contender", "contender"), ("batch", "batch"), ("host_us", "host us/step"),
                  ("host_us_min", "min"), ("ops_per_step", "ops outside the graph"),
                  ("repeat_share", "replays by identity")])

@@ -25,6 +25,7 @@ import keyword
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.fx import GraphModule
@@ -55,6 +56,7 @@ class BackendOptions:
     dump_pass: str | None = None  # write the graph before/after this pass (see passes/)
     cuda_graphs: bool = False    # CUDA inputs: one CUDA graph per (plan, shapes); see cuda_graphs.py
     max_graphs: int = 16         # bound on the CUDA graphs (and plan graphs) of one graph
+    capture: Callable | None = None  # replaces the CUDA capture (tests: a fake one, CPU inputs too)
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
@@ -110,6 +112,7 @@ class CompiledGraph:
     calls: int = 0
     last_gates: list[bool] | None = None
     last_skipped: float = 0.0           # fraction of prunable FLOPs the last call skipped
+    writes: InputWrites | None = None   # how it writes its inputs (a static cache's K/V)
 
 
 _graphs: list[CompiledGraph] = []
@@ -206,6 +209,77 @@ def to_pipeline_graph(aten_gm: GraphModule, names: list[str], values: list):
     return aten_gm, tuple(input_names), positions, references
 
 
+@dataclass(frozen=True)
+class InputWrites:
+    """How a compiled graph writes its inputs (see `take_input_writes`): `copied` (input
+    position, output index) pairs, values the runner copies into inputs after the graph;
+    `in_place` the positions of every input written (in place or by a copy); `outputs` the
+    number of outputs the caller gets (the extra outputs of `copied` values come after)."""
+    copied: tuple[tuple[int, int], ...]
+    in_place: frozenset[int]
+    outputs: int
+
+
+def _readers(node):
+    """The nodes that read `node`'s data: its users, and the users of its views."""
+    for user in node.users:
+        if getattr(user.target, "is_view", False):
+            yield from _readers(user)
+        else:
+            yield user
+
+
+def take_input_writes(gm: GraphModule) -> InputWrites:
+    """aot_autograd (`keep_inference_input_mutations`) ends the graph with one `copy_(input,
+    value)` per input the model writes (a static KV cache's tensors, transformers' StaticCache
+    length counter); the passes see values, not writes, so these copies leave the graph. A
+    write of `index_copy(input, ...)` whose input nothing reads after it becomes that op in
+    place, `index_copy_` (an artifact decoder's cache writes, which the passes place and fuse),
+    with no copy at all; any other value becomes an extra graph output, which the runner copies
+    into its input after the graph (inside the CUDA graph, when there is one). Without this,
+    aot_autograd returned every written tensor (each K/V in full) and copied it back into its
+    input outside the graph: two ops per written tensor per call, on the host's critical path
+    of a decode step."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {node: index for index, node in enumerate(nodes)}
+    output = nodes[-1]
+    placeholders = [node for node in nodes if node.op == "placeholder"]
+    copied, in_place = [], set()
+    for node in nodes:
+        if node.target is not torch.ops.aten.copy_.default:
+            continue
+        target, value = node.args[:2]
+        readers = set(_readers(target)) - {node, output}
+        if target.op != "placeholder" or any(order[reader] > order[node] for reader in readers):
+            raise CompileError(f"{node.name} writes {target}, which is not an input written "
+                               "after its last read")
+        position = placeholders.index(target)
+        in_place.add(position)
+        if (value.target is torch.ops.aten.index_copy.default and value.args[0] is target
+                and all(order[reader] < order[value] for reader in readers - {value})):
+            with graph.inserting_before(value):
+                written = graph.call_function(torch.ops.aten.index_copy_.default, value.args,
+                                              value.kwargs)
+            written.meta = dict(value.meta)
+            value.replace_all_uses_with(written)
+            graph.erase_node(value)
+            node.replace_all_uses_with(written)  # an output that is the input: aot returns the input
+        else:
+            node.replace_all_uses_with(value)
+            copied.append((position, value))
+        graph.erase_node(node)
+    results = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    count = len(results)
+    for _, value in copied:
+        if value not in results:
+            results.append(value)
+    output.args = (tuple(results),)
+    gm.recompile()
+    return InputWrites(tuple((position, results.index(value)) for position, value in copied),
+                       frozenset(in_place), count)
+
+
 # ---- the backend -------------------------------------------------------------------------------
 
 def _modules(gm: GraphModule) -> set[tuple[str, str]]:
@@ -224,17 +298,28 @@ def _has_layers(gm: GraphModule) -> bool:
 
 
 class _Runner:
-    """The callable aot_autograd runs: picks gates for each call, runs the generated module
-    (with `cuda_graphs`, through the CUDA graph of that plan and those input shapes)."""
+    """The callable aot_autograd runs: picks gates for each call, runs the generated module and
+    writes the inputs it writes (`InputWrites`; with `cuda_graphs`, both through the CUDA graph
+    of that plan and those input shapes, which reads the written inputs in place)."""
 
-    def __init__(self, module, positions, record: CompiledGraph, options: BackendOptions, plans):
+    def __init__(self, module, positions, record: CompiledGraph, options: BackendOptions, plans,
+                 writes: InputWrites):
         self.module, self.positions, self.record = module, positions, record
-        self.options, self.plans = options, plans
+        self.options, self.plans, self.writes = options, plans, writes
         self.graphs = None
         if options.cuda_graphs:
             module.region_cache.enabled = False
             # from a key's second call: an int input that changes at every call never captures
-            self.graphs = GraphCache(module, max_graphs=options.max_graphs, capture_after=2)
+            self.graphs = GraphCache(self._forward, max_graphs=options.max_graphs, capture_after=2,
+                                     in_place_at=writes.in_place, capture=options.capture)
+
+    def _forward(self, *inputs):
+        """The module's outputs for `inputs` (the graph's, then gates and widths), after
+        copying the values it computes for written inputs into them."""
+        outputs = self.module(*inputs)
+        for position, index in self.writes.copied:
+            inputs[position].copy_(outputs[index])
+        return list(outputs[:self.writes.outputs])
 
     def _choose(self):
         chosen = _current.get() or GateDecision(self.options.budget)
@@ -255,15 +340,16 @@ class _Runner:
         self.record.last_skipped = skipped_share(self.record.regions, gates, widths, {})
         inputs = [args[i] for i in self.positions]
         with torch.no_grad():
-            if self.graphs is not None and any(isinstance(v, torch.Tensor) and v.is_cuda
-                                               for v in inputs):
-                return list(self.graphs(plan_key(gates, widths), *inputs, gates, widths))
-            return list(self.module(*inputs, gates, widths))
+            if self.graphs is not None and (self.options.capture is not None or any(
+                    isinstance(v, torch.Tensor) and v.is_cuda for v in inputs)):
+                return self.graphs(plan_key(gates, widths), *inputs, gates, widths)
+            return self._forward(*inputs, gates, widths)
 
 
 def _compile_aten(aten_gm: GraphModule, names, values, options: BackendOptions,
                   record: CompiledGraph):
     gm, input_names, positions, references = to_pipeline_graph(aten_gm, names, values)
+    writes = record.writes = take_input_writes(gm)
     on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
     ctx = PassContext(family=_family(gm), reference_inputs=references,
                       input_names=input_names, dump_pass=options.dump_pass,
@@ -283,7 +369,7 @@ def _compile_aten(aten_gm: GraphModule, names, values, options: BackendOptions,
     logger.info("graph %d: %d regions, %d gates; %s", record.index, len(ctx.regions),
                 module.NUM_GATES, "; ".join(f"{h['pass']}: {h['summary']}" for h in ctx.history
                                              if h["pass"] in ("form_regions", "fuse_kernels")))
-    return _Runner(module, positions, record, options, None)
+    return _Runner(module, positions, record, options, None, writes)
 
 
 def _inductor(gm, example_inputs, record: CompiledGraph, reason: str):
@@ -318,7 +404,8 @@ def rbcompile_backend(gm: GraphModule, example_inputs, options: dict | None = No
             raise _Unsupported(f"{type(exc).__name__}: {first_line(exc)}") from exc
 
     try:
-        return aot_autograd(fw_compiler=compile_inference)(gm, example_inputs)
+        return aot_autograd(fw_compiler=compile_inference,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
     except _Unsupported as exc:
         return _fail(gm, example_inputs, record, parsed, str(exc))
     except BaseException:  # dynamo restarting its analysis (e.g. to specialise a float): no graph

@@ -190,6 +190,44 @@ def test_static_cache_generate_is_adaptive_in_its_mlps():
         assert all(g.last_skipped > 0 for g in backend.compiled_graphs())
 
 
+def test_static_cache_writes_stay_in_the_graph_and_cuda_graphs_read_the_cache_in_place():
+    """With a static cache the decode graph writes each layer's K and V in place (`index_copy_`,
+    as an artifact's decoder does) and copies only what else the model writes (transformers'
+    length counters) back after the graph, inside its CUDA graph: a decode step under (fake,
+    CPU) CUDA graphs reads the cache tensors where they are and returns its logits alone (they
+    were returned in full and copied back outside the graph). Tokens: eager's, call after call."""
+    from test_cuda_graphs import FakeCapture
+
+    model = make_tiny_model("llama")
+    ids, mask = _inputs(2, 7)
+    settings = dict(attention_mask=mask, max_new_tokens=5, do_sample=False,
+                    cache_implementation="static", disable_compile=True)
+    expected = model.generate(ids, **settings)
+    capture, forward = FakeCapture(), model.forward
+    model.forward = torch.compile(forward, backend="rbcompile",
+                                  options={**STRICT_EAGER, "cuda_graphs": True, "capture": capture})
+    with torch.no_grad():
+        for _ in range(3):
+            result = model.generate(ids, **settings, return_dict_in_generate=True)
+            assert torch.equal(result.sequences, expected)
+    layers = model.config.num_hidden_layers
+    _, decode = backend.compiled_graphs()   # the prefill makes its K/V (new tensors)
+    assert len(decode.writes.in_place) - len(decode.writes.copied) == 2 * layers
+    assert decode.writes.outputs == 1   # the logits
+    kv = {id(tensor) for layer in result.past_key_values.layers for tensor in (layer.keys, layer.values)}
+    assert max(sum(id(value) in kv for value in inputs) for inputs in capture.captured) == 2 * layers
+    # with rbcompile's kernels (CUDA's default) the writes fuse with the rotary, as in an artifact
+    torch._dynamo.reset()
+    backend.reset()
+    model.forward = torch.compile(forward, backend="rbcompile",
+                                  options={**STRICT_EAGER, "kernels": True})
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **settings), expected)
+    _, decode = backend.compiled_graphs()
+    (fused,) = [entry["stats"] for entry in decode.passes if entry["pass"] == "fuse_kernels"]
+    assert fused.get("rotary_write_kv") == layers, fused
+
+
 def test_inductor_regions_match_eager():
     model = make_tiny_model("llama")
     compiled = torch.compile(model, backend="rbcompile", options={"strict": True})
