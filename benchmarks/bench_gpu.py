@@ -31,8 +31,9 @@ the last timed run's output of every contender's full path is checked against ea
 dtype (rbcompile/placement.py tolerances), budgets' against eager's top-1 (and their share of
 skipped FLOPs is recorded); the artifact rows record their CUDA graph counts (captures,
 replays, eager calls, memory fallbacks). The contenders the issue's targets need run first
-in every case (eager, inductor, inductor-ro, rbc-graphs, rbc-k-graphs, rbc-generate), the
-others after all of those, in case order; contenders (and cases) that would start after
+in every case (prefill: eager, inductor, inductor-ro, rbc-graphs, rbc-k-graphs; decode:
+inductor-ro, rbc-generate), the others after all of those, in case order (each case's model
+stays in memory until its extras ran); contenders (and cases) that would start after
 `--deadline-s` are skipped and listed. The prefill cases compile the artifact once per kernel
 setting and load a fresh copy per contender. `--smoke` runs tiny configs (on CPU too) to test
 the script itself. Writes OUT_DIR/bench_gpu.json after each row, atomically (a run killed at
@@ -162,7 +163,8 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
         calls_us[1] += us
     by_kind: dict[str, float] = {}
     for name, (_, us) in by_name.items():
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us
+        kind = kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
     longest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
     return {"events": sum(calls for calls, _ in by_name.values()),
             "total_ms": sum(by_kind.values()) / 1e3,
@@ -230,7 +232,7 @@ class Case:
                         row["check"] += "; " + fields.pop("check")
                     row.update(fields)
                 print(f"  {self.name}/{label} budget {budget or 0:g}: {ms:.3f} ms "
-                      f"(setup {compile_s:.0f} s) {self.rows[-1]['check']}", flush=True)
+                      f"(setup {compile_s:.0f} s) {row['check']}", flush=True)
                 self.save()
             if label in self.profile:
                 self._profile(self.rows[-len(budgets)], lambda: run(None))
@@ -391,7 +393,7 @@ def decode_case(case: Case, model, prompt, new, args):
             return (lambda budget: generate(budget, hf_compile)), reference, *notes
         return setup
 
-    def backend_graphs(budget):  # both backend contenders' graphs (0 gates: not adaptive)
+    def backend_graphs(budget):  # the contender's graphs (backend_contender resets the list)
         handled = [graph.handled_by for graph in backend.compiled_graphs()]
         graphs = {by: handled.count(by) for by in set(handled)}
         gates = sorted({graph.num_gates for graph in backend.compiled_graphs()
@@ -421,18 +423,23 @@ def decode_case(case: Case, model, prompt, new, args):
                 lambda b: 1.0 - compiled.decoder.cost(compiled.decoder_gates(b)))
         return setup
 
-    # the contenders the targets need first; eager (25 tok/s at SmolLM2 size) once, late
     cuda = case.device.type == "cuda"
     options = {"cuda_graphs": cuda, "regions": "eager", "kernels": cuda}
-    backend.reset()
+
+    def backend_contender(**changed):
+        compiled_forward = torch.compile(forward, backend="rbcompile", options={**options, **changed})
+
+        def setup():
+            backend.reset()
+            return patched(compiled_forward, notes=(backend_graphs,))()
+        return setup
+
+    # the contenders the targets need first; eager (25 tok/s at SmolLM2 size) once, late
     case.contender("rbc-generate", artifact_generate(), (None, *BUDGETS))
-    case.contender("rbc-backend", patched(torch.compile(forward, backend="rbcompile", options=options),
-                                          notes=(backend_graphs,)), (None, *BUDGETS), extra=True)
+    case.contender("rbc-backend", backend_contender(), (None, *BUDGETS), extra=True)
     case.contender("eager", patched(forward), runs=1, extra=True)
     case.contender("rbc-generate-plan", artifact_generate(plans=True), (None, BUDGETS[0]), extra=True)
-    case.contender("rbc-backend-plan", patched(torch.compile(
-        forward, backend="rbcompile", options={**options, "regions": "plan"}),
-        notes=(backend_graphs,)), (None,), extra=True)
+    case.contender("rbc-backend-plan", backend_contender(regions="plan"), (None,), extra=True)
     # rbc-generate without stacked projections (passes/fuse_projections.py): what they save
     case.contender("rbc-generate-unstacked", artifact_generate(stack=False), (None,), extra=True)
 
@@ -486,7 +493,6 @@ def main(argv=None):
             if deferred:
                 print("extras (no target needs them):", flush=True)
             for case, contender in deferred:
-                case.deferred = None
                 case.contender(*contender)
     finally:
         save()

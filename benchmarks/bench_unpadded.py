@@ -56,12 +56,10 @@ def hf_first_token(eager, ids, mask):
 def prefill_contenders(compiled, eager, ids, mask) -> dict:
     """A generation's prefill and first token: the KV-cached decoder from the first slot, its
     mask given or left out (`unpadded_prefill`); eager is transformers' `generate`."""
-    from functools import partial
-
     from rbcompile.generation import generate
 
     def rbc(unpadded):
-        return lambda: torch.tensor(generate(partial(compiled.decoder), ids, mask, max_new_tokens=1,
+        return lambda: torch.tensor(generate(compiled.decoder, ids, mask, max_new_tokens=1,
                                              shape=compiled.decoder.shape,
                                              unpadded_prefill=unpadded).tokens)
     return {"eager": hf_first_token(eager, ids, mask), "masked": rbc(False), "unpadded": rbc(True)}

@@ -4,8 +4,10 @@ A traced model builds its attention mask in the graph from the `attention_mask` 
 conjunction of causality (`kv <= q`, decoders) and padding (`attention_mask[b, kv]`), read by
 every layer's `scaled_dot_product_attention`. With no padding the padding term is all True,
 so the mask says nothing but causality: SDPA's `is_causal=True` without a mask (decoders) or no
-mask at all (encoders) computes the same values, with the kernels that take no mask (flash
-attention on CUDA; on CPU the causal kernel skips the masked blocks: benchmarks/bench_unpadded.py). transformers makes the same choice in eager mode (`padding_mask.all()`); a trace
+mask at all (encoders) computes the same values, with the kernels that take no mask (on CUDA
+flash attention where queries and keys are as many, as in a forward; a prefill into a longer
+KV cache runs memory-efficient attention without a mask, flash aligning its causal mask
+otherwise; on CPU the causal kernel skips the masked blocks: benchmarks/bench_unpadded.py). transformers makes the same choice in eager mode (`padding_mask.all()`); a trace
 cannot, since that is a property of the values.
 
 This pass finds such masks and lets the generated module choose per call: a forward given the
@@ -36,7 +38,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import FLOPS, REGION, PassContext, PassReport, graph_pass, structure, tensor_val
+from .base import FLOPS, REGION, PassContext, PassReport, graph_pass, tensor_val
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default
@@ -46,8 +48,8 @@ _SAME_VALUES = {aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_co
 
 
 def _index(node) -> tuple | None:
-    """(length, offset, dim, rank) of `arange(length) + offset` (an int or a node) unsqueezed
-    so that its values lie along `dim` of a `rank`-D tensor; else None."""
+    """(offset, dim, rank) of `arange(length) + offset` (an int or a node) unsqueezed so that
+    its values lie along `dim` of a `rank`-D tensor; else None."""
     dims = []
     while isinstance(node, Node) and node.target is aten.unsqueeze.default:
         dims.append(node.args[1])
@@ -62,7 +64,7 @@ def _index(node) -> tuple | None:
         unsqueezed = unsqueezed if unsqueezed >= 0 else unsqueezed + rank + 1
         dim += unsqueezed <= dim
         rank += 1
-    return structure(node.args[0], lambda _: True), offset, dim, rank
+    return offset, dim, rank
 
 
 def _source_input(node) -> Node | None:
@@ -92,13 +94,13 @@ def _term(node) -> tuple[str, object] | None:
         return "true", None
     if node.target is aten.ge.Scalar and node.args[1] == 0:
         index = _index(node.args[0])
-        return ("true", None) if index is not None and index[1] == 0 else None
+        return ("true", None) if index is not None and index[0] == 0 else None
     if node.target is aten.le.Tensor:
         kv, q = (_index(arg) for arg in node.args)
-        if not (kv and q and kv[1] == 0 and (kv[2:], q[2:]) == ((3, 4), (2, 4))):
+        if not (kv and q and kv[0] == 0 and (kv[1:], q[1:]) == ((3, 4), (2, 4))):
             return None
-        start = None if q[1] == 0 else _first_of(q[1])
-        return ("causal", start) if q[1] == 0 or start is not None else None
+        start = None if q[0] == 0 else _first_of(q[0])
+        return ("causal", start) if q[0] == 0 or start is not None else None
     if node.target is aten.index.Tensor:
         source = _source_input(node.args[0])
         return ("padding", source) if source is not None else None

@@ -261,7 +261,7 @@ def take_input_writes(gm: GraphModule) -> InputWrites:
             with graph.inserting_before(value):
                 written = graph.call_function(torch.ops.aten.index_copy_.default, value.args,
                                               value.kwargs)
-            written.meta = dict(value.meta)
+            written.meta, order[written] = dict(value.meta), order[value]
             value.replace_all_uses_with(written)
             graph.erase_node(value)
             node.replace_all_uses_with(written)  # an output that is the input: aot returns the input

@@ -75,7 +75,7 @@ class Decoder:
         padding, attending causally without the mask (passes/unpadded_attention.py); artifacts
         before it take a mask always."""
         spec = getattr(self.module, "UNPADDED", None)
-        return spec is not None and spec.start == "cache_position"
+        return spec is not None and spec.start == STEP_INPUTS[3]  # cache_position
 
     @property
     def device(self) -> torch.device:
