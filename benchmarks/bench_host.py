@@ -1,9 +1,11 @@
-"""Host time per decode step: what rbcompile's runtime adds around a CUDA graph's replay.
+"""Host time per decode step (and per forward call): what rbcompile's runtime adds around a
+CUDA graph's replay.
 
 Under CUDA graphs a decode step is one replay, and what is left is the host's: choosing the
 graph (`GraphCache`), preparing the step's inputs, copying them in, sampling and bookkeeping.
 While the host does that the GPU waits (each token needs the one before), so it adds to every
-token. This script measures it without a GPU: the decoder runs under a capture whose replay
+token; a forward call's host work (checking the inputs, padding them to their bucket) adds to
+its latency likewise. This script measures it without a GPU: the decoder runs under a capture whose replay
 does nothing (the captured outputs stand for the step's), so each step's time is the host's
 alone. It also counts the tensor ops each step runs outside the graph (views excluded): on a
 GPU each is a kernel launch or a copy.
@@ -11,6 +13,8 @@ GPU each is a kernel launch or a copy.
 Contenders, each at batch 1 and batch 8 (greedy, --new-tokens per row, no EOS):
   generate   `CompiledModel.generate` (a static batch: rbcompile run, the Python API);
   engine     `BatchEngine.step` (continuous batching: what `rbcompile serve` runs);
+  forward    `CompiledModel.__call__` on 128-token rows without padding (a prefill's or an
+             encoder's forward; a "step" is one call, --new-tokens calls per run);
   backend    transformers' `generate` with a static cache, the model's forward compiled by
              `torch.compile(backend="rbcompile", options={"cuda_graphs": True})` (eager regions):
              a step is the time from one decode forward call to the next, transformers' loop
@@ -98,7 +102,22 @@ def engine_steps(compiled, prompts: torch.Tensor, new_tokens: int):
     return step
 
 
-CONTENDERS = {"generate": generate_steps, "engine": engine_steps}
+def forward_steps(compiled, prompts: torch.Tensor, new_tokens: int):
+    """`new_tokens` calls of the model on the prompts four times over (128 tokens, all-ones
+    mask: a prefill's forward, filling its sequence bucket)."""
+    ids = prompts.repeat(1, 4)
+    mask, calls = torch.ones_like(ids), iter(range(new_tokens - 1))
+
+    def step():
+        compiled(ids, mask)
+        return next(calls, None) is not None
+    return step
+
+
+# name -> (step maker, the GraphCache its steps replay)
+CONTENDERS = {"generate": (generate_steps, lambda compiled: compiled.decoder.graphs),
+              "engine": (engine_steps, lambda compiled: compiled.decoder.graphs),
+              "forward": (forward_steps, lambda compiled: compiled.cuda_graphs)}
 
 
 def generate_step_times(model, prompts: torch.Tensor, new_tokens: int, forward) -> list[float]:
@@ -145,9 +164,9 @@ def transformers_rows(args) -> list[dict]:
 
 
 def measure(compiled, name: str, batch: int, args) -> dict:
-    graphs = compiled.decoder.graphs
+    make, graphs_of = CONTENDERS[name]
+    graphs = graphs_of(compiled)
     prompts = torch.randint(3, 512, (batch, 32), generator=torch.Generator().manual_seed(batch))
-    make = CONTENDERS[name]
     for _ in range(2):   # capture every shape this run meets
         timed_steps(make(compiled, prompts, args.new_tokens), graphs)
     medians, repeats, replays = [], graphs.stats.repeats, graphs.stats.replays
@@ -181,16 +200,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     pin_threads(args.threads)
     compiled = rbcompile.compile(tiny_smollm(args.layers))
-    compiled.decoder.use_cuda_graphs(capture=free_replay)
+    compiled.use_cuda_graphs(capture=free_replay)
     rows = []
     for name in CONTENDERS:
         for batch in args.batches:
             say(f"{name}, batch {batch} ...")
             rows.append(measure(compiled, name, batch, args))
     rows += transformers_rows(args)
-    print(f"\nbench_host: host time per decode step around a free replay ({args.layers} layers, "
-          f"{args.new_tokens} new tokens per row, median of {args.rounds} runs' medians, "
-          f"{args.threads} thread)")
+    print(f"\nbench_host: host time per decode step (forward: per call) around a free replay "
+          f"({args.layers} layers, {args.new_tokens} new tokens per row, median of {args.rounds} "
+          f"runs' medians, {args.threads} thread)")
     print_table([{**row, "host_us": f"{row['host_us']:.0f}", "host_us_min": f"{row['host_us_min']:.0f}",
                   "ops_per_step": f"{row['ops_per_step']:.1f}" if "ops_per_step" in row else "",
                   "repeat_share": f"{100 * row['repeat_share']:.0f}%" if "repeat_share" in row else ""}

@@ -139,19 +139,20 @@ class CompiledModel:
 
     def _run_graphs(self, input_ids, attention_mask, gates, widths, unpadded: bool):
         """The module's outputs through the CUDA graph of this plan and bucket. `unpadded`
-        (see `_unpadded`): the graph takes no mask when its attention is causal or the
-        sequence needs no padding to its bucket."""
+        (see `_check_inputs`): the graph takes no mask when its attention is causal or the
+        sequence needs no padding to its bucket. Inputs that fill their bucket go to the graph
+        as they are (it copies them into its buffers)."""
         batch_buckets, seq_multiple = self._buckets
         batch, seq = input_ids.shape
         padded_batch = next((b for b in batch_buckets if b >= batch), batch)
         padded_seq = min(-(-seq // seq_multiple) * seq_multiple, self.max_positions)
-        ids = input_ids.new_zeros(padded_batch, padded_seq)
-        ids[:batch, :seq] = input_ids
+        fills = (padded_batch, padded_seq) == (batch, seq)
+        ids = input_ids if fills else _padded(input_ids, padded_batch, padded_seq)
         mask = None
-        if not unpadded or (padded_seq > seq and not self.module.UNPADDED.causal):
-            mask = attention_mask.new_zeros(padded_batch, padded_seq)
-            mask[:batch, :seq] = attention_mask
-            mask[batch:] = 1  # filler rows attend to something: no all-masked softmax
+        if not unpadded or (not fills and not self.module.UNPADDED.causal):
+            # filler rows attend to something: no all-masked softmax
+            mask = attention_mask if fills else _padded(attention_mask, padded_batch, padded_seq,
+                                                        filler_rows=1)
         outputs = self.cuda_graphs(plan_key(gates, widths), ids, mask, gates, widths)
         per_token = (self.sequence_outputs if self.sequence_outputs is not None
                      else [name for name, out in zip(self.output_names, outputs) if out.dim() >= 3])
@@ -161,7 +162,11 @@ class CompiledModel:
     # ---- running --------------------------------------------------------------------------
 
     def _check_inputs(self, input_ids, attention_mask):
-        """Validated `(input_ids, attention_mask)` as int64 on the model's device."""
+        """Validated `(input_ids, attention_mask, unpadded)`, the tensors as int64 on the
+        model's device. `unpadded`: whether the call may run without its attention masks
+        (passes/unpadded_attention.py): the module has such masks and no row of the caller's
+        mask is padded, checked on the caller's device as transformers does in eager mode.
+        The token range and the mask are read in one device-to-host transfer."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise UserError("input_ids must be a 2-D tensor [batch, sequence]")
         if input_ids.dtype not in (torch.int64, torch.int32):
@@ -172,23 +177,18 @@ class CompiledModel:
         if seq > self.max_positions:
             raise UserError(f"sequence of {seq} tokens exceeds the model's "
                             f"{self.max_positions} positions")
-        low, high = _min_max(input_ids)
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                           or attention_mask.shape != input_ids.shape):
+            raise UserError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
+        low, high, unpadded = _read_inputs(input_ids, attention_mask)
         if low < 0 or high >= self.vocab_size:
             raise UserError(f"token ids must be in [0, {self.vocab_size})")
+        unpadded = (unpadded and self.unpadded_attention
+                    and getattr(self.module, "UNPADDED", None) is not None)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.long)
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-            raise UserError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
         device = self.device
-        return input_ids.to(device, torch.long), attention_mask.to(device, torch.long)
-
-    def _unpadded(self, attention_mask) -> bool:
-        """Whether a call may run without its attention masks (passes/unpadded_attention.py):
-        the module has such masks and no row of the caller's mask (`attention_mask` as given,
-        after `_check_inputs`) is padded, checked on the caller's device, as transformers does
-        in eager mode."""
-        return (self.unpadded_attention and getattr(self.module, "UNPADDED", None) is not None
-                and (attention_mask is None or bool(attention_mask.all())))
+        return input_ids.to(device, torch.long), attention_mask.to(device, torch.long), unpadded
 
     def choose_gates(self, input_ids, attention_mask, budget=None, gates=None, widths=None):
         """(gates, widths, path, complexity) for a batch."""
@@ -216,9 +216,7 @@ class CompiledModel:
     @torch.no_grad()
     def __call__(self, input_ids, attention_mask=None, *, budget=None, gates=None,
                  widths=None) -> CompiledOutput:
-        given_mask = attention_mask
-        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask)
-        unpadded = self._unpadded(given_mask)
+        input_ids, attention_mask, unpadded = self._check_inputs(input_ids, attention_mask)
         gates, widths, path, scores = self.choose_gates(input_ids, attention_mask, budget, gates,
                                                         widths)
         if self.cuda_graphs is not None:
@@ -495,7 +493,23 @@ def _load_offramps(path: Path, spec: dict) -> OffRamps:
                         f"({first_line(exc)})") from None
 
 
-def _min_max(tensor: torch.Tensor) -> tuple[int, int]:
-    """(min, max) of an integer tensor with one device-to-host transfer."""
-    low, high = torch.aminmax(tensor)
-    return tuple(torch.stack([low, high]).tolist())
+def _padded(tensor: torch.Tensor, batch: int, seq: int, filler_rows: int = 0) -> torch.Tensor:
+    """`tensor` [b, s] in the corner of a [batch, seq] tensor of zeros, its rows past b filled
+    with `filler_rows`."""
+    padded = tensor.new_zeros(batch, seq)
+    padded[:tensor.shape[0], :tensor.shape[1]] = tensor
+    if filler_rows and batch > tensor.shape[0]:
+        padded[tensor.shape[0]:] = filler_rows
+    return padded
+
+
+def _read_inputs(input_ids: torch.Tensor, attention_mask) -> tuple[int, int, bool]:
+    """(smallest token id, largest, whether `attention_mask` is None or pads no row) with one
+    device-to-host transfer where the two tensors share a device."""
+    values = list(torch.aminmax(input_ids))
+    together = attention_mask is not None and attention_mask.device == input_ids.device
+    if together:
+        values.append(attention_mask.all())
+    read = torch.stack(values).tolist()
+    whole = bool(read[2]) if together else attention_mask is None or bool(attention_mask.all())
+    return read[0], read[1], whole

@@ -376,7 +376,7 @@ class OnnxRunner:
         from .errors import UserError
 
         compiled = self.compiled
-        input_ids, attention_mask = compiled._check_inputs(input_ids, attention_mask)
+        input_ids, attention_mask, _ = compiled._check_inputs(input_ids, attention_mask)
         if self.fixed_shape and tuple(input_ids.shape) != self.fixed_shape:
             raise UserError(f"{self.path} takes inputs of the fixed shape {list(self.fixed_shape)}"
                             f", got {list(input_ids.shape)}; export it without --no-dynamic-axes")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import rbcompile
 from conftest import TINY_VOCAB, make_tiny_model
@@ -275,6 +276,52 @@ def test_artifact_pads_to_buckets_and_cuts_back():
     assert len(compiled.cuda_graphs) == 3
     compiled.use_cuda_graphs(False)
     assert compiled.cuda_graphs is None and compiled.module.region_cache.enabled
+
+
+class HostWork(TorchFunctionMode):
+    """Counts what runs on the host around a replay: device-to-host reads (`reads`) and
+    tensor ops by name (`ops`, through `OpCounter`)."""
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
+
+    def __init__(self):
+        sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+        from common import OpCounter
+
+        super().__init__()
+        self.reads, self.counter = 0, OpCounter()
+
+    def __enter__(self):
+        self.counter.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.counter.__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += getattr(func, "__name__", None) in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_call_reads_the_device_once_and_inputs_that_fill_their_bucket_are_not_padded():
+    """Outside its graph a call reads its token range and whether its mask pads a row in one
+    device-to-host transfer, and inputs that fill their bucket go to the graph as they are:
+    their only copy is the graph's own (the ids; the mask too where a row is padded)."""
+    compiled = rbcompile.compile(make_tiny_model("llama"))
+    compiled.use_cuda_graphs(capture=lambda run, inputs: ((lambda: None), run(*inputs)),
+                             batch_buckets=(2,), seq_multiple=16)  # replays compute nothing
+    ids = torch.randint(3, TINY_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones_like(ids)
+    padded[1, :4] = 0
+    for mask, copies in ((torch.ones_like(ids), 1), (padded, 2)):
+        expected = compiled(ids, mask)["logits"]                  # captured
+        work = HostWork()
+        with work:
+            got = compiled(ids, mask)["logits"]                   # replayed
+        assert compiled.cuda_graphs.stats.replays >= 1 and torch.equal(got, expected)
+        assert work.reads == 1
+        assert work.counter.ops["aten.copy_.default"] == copies
+        assert not {"aten.new_zeros.default", "aten.fill_.Scalar"} & set(work.counter.ops)
 
 
 def test_pooled_outputs_are_cut_back_by_batch_only():
