@@ -5,9 +5,9 @@ Under CUDA graphs a decode step is one replay, and what is left is the host's: c
 graph (`GraphCache`), preparing the step's inputs, copying them in, sampling and bookkeeping.
 While the host does that the GPU waits (each token needs the one before), so it adds to every
 token; a forward call's host work (checking the inputs, padding them to their bucket) adds to
-its latency likewise. This script measures it without a GPU: the decoder runs under a capture whose replay
-does nothing (the captured outputs stand for the step's), so each step's time is the host's
-alone. It also counts the tensor ops each step runs outside the graph (views excluded): on a
+its latency likewise. This script measures it without a GPU: the model runs under a capture
+whose replay does nothing (the captured outputs stand for the step's), so each step's time is
+the host's alone. It also counts the tensor ops each step runs outside the graph (views excluded): on a
 GPU each is a kernel launch or a copy.
 
 Contenders, each at batch 1 and batch 8 (greedy, --new-tokens per row, no EOS):
