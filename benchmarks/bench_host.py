@@ -7,8 +7,8 @@ While the host does that the GPU waits (each token needs the one before), so it 
 token; a forward call's host work (checking the inputs, padding them to their bucket) adds to
 its latency likewise. This script measures it without a GPU: the model runs under a capture
 whose replay does nothing (the captured outputs stand for the step's), so each step's time is
-the host's alone. It also counts the tensor ops each step runs outside the graph (views excluded): on a
-GPU each is a kernel launch or a copy.
+the host's alone. It also counts the tensor ops each step runs outside the graph (views
+excluded): on a GPU each is a kernel launch or a copy.
 
 Contenders, each at batch 1 and batch 8 (greedy, --new-tokens per row, no EOS):
   generate   `CompiledModel.generate` (a static batch: rbcompile run, the Python API);
