@@ -40,7 +40,8 @@ the script itself. Writes OUT_DIR/bench_gpu.json after each row, atomically (a r
 its time limit keeps the rows it finished, and a SIGTERM still prints the table). `--profile`
 contenders get one more call of their full path under torch.profiler: device time by kind of
 kernel (gemm, attention, inductor's Triton, rbcompile's Triton, copies, other) and the longest
-kernels, next to the wall time, so a miss says where its time goes.
+kernels, next to the wall time, so a miss says where its time goes. The summary ends with the
+issue's targets (`TARGETS`), each met or not by the best rbcompile row (also in the JSON).
 """
 from __future__ import annotations
 
@@ -58,6 +59,13 @@ from pathlib import Path
 import torch
 
 CASES = ("smol-decode", "llama1b", "bert", "smol-prefill")  # run order: unmeasured first
+
+# issue 18's targets: (case, budget, reference contenders, least speedup: the reference's time
+# over the fastest rbcompile row's at that budget whose full path has parity)
+TARGETS = [("bert", 0.0, ("inductor", "inductor-ro"), 1 / 1.05),     # full path <= 1.05x
+           ("llama1b", 0.0, ("inductor", "inductor-ro"), 1 / 1.05),
+           ("bert", 0.25, ("inductor", "inductor-ro"), 1.25),        # the full model's time
+           ("smol-decode", 0.0, ("inductor-ro",), 1.0)]               # tokens/s
 BUDGETS = (0.25, 0.5)
 
 
@@ -495,6 +503,7 @@ def main(argv=None):
             for case, contender in deferred:
                 case.contender(*contender)
     finally:
+        results["targets"] = target_checks(results)
         save()
         print_summary(results)
     return 0
@@ -525,6 +534,27 @@ def run_case(name, spec, deadline, device, args, results, save, deferred):
     free_memory(device)
 
 
+def target_checks(results) -> list[dict]:
+    """Each of `TARGETS` against the rows in `results`: the fastest rbcompile row (a full path
+    only with parity) and the fastest reference row, their speedup, and whether it is met;
+    `met` None where either row is missing (not run, failed, past the deadline)."""
+    checks = []
+    for name, budget, references, least in TARGETS:
+        rows = [r for r in results["cases"].get(name, {}).get("rows", []) if "ms" in r]
+        rbc = [r for r in rows if r["contender"].startswith("rbc") and r["budget"] == budget
+               and (budget or r.get("parity", True))]
+        reference = [r for r in rows if r["contender"] in references and not r["budget"]]
+        best, base = (min(found, key=lambda r: r["ms"], default=None) for found in (rbc, reference))
+        check = {"case": name, "budget": budget, "least_speedup": least, "met": None}
+        if best and base:
+            speedup = base["ms"] / best["ms"]
+            check.update(rbcompile=best["contender"], rbcompile_ms=best["ms"],
+                         reference=base["contender"], reference_ms=base["ms"], speedup=speedup,
+                         met=speedup >= least)
+        checks.append(check)
+    return checks
+
+
 def print_summary(results):
     print(f"\nbench_gpu {results['date']} on {results['device']} (torch {results['torch']}); "
           "ms = median per forward (decode: per generate of all tokens)")
@@ -544,6 +574,15 @@ def print_summary(results):
                 print(f"  {'':<13} {'':<15} kernels {r['kernels']['total_ms']:.2f} ms: {kinds}")
         if case["skipped"]:
             print(f"  {name:<13} skipped (deadline or --skip): {', '.join(case['skipped'])}")
+    print("targets (speedup: the reference's time over rbcompile's; full paths with parity):")
+    for t in results["targets"]:
+        goal = f"b={t['budget']:<4g} speedup >= {t['least_speedup']:.2f}x"
+        if t["met"] is None:
+            print(f"  {t['case']:<13} {goal}: not measured (a row is missing)")
+            continue
+        print(f"  {t['case']:<13} {goal}: {t['rbcompile']} {t['rbcompile_ms']:.3f} ms vs "
+              f"{t['reference']} {t['reference_ms']:.3f} ms = {t['speedup']:.2f}x "
+              f"{'met' if t['met'] else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -382,15 +382,20 @@ def test_gpu_scripts_refuse_without_cuda_in_one_line(tmp_path, command):
     assert not (tmp_path / "out" / "bench_gpu.json").exists()
 
 
-def test_bench_gpu_profiles_device_time_by_kind_of_kernel():
-    """bench_gpu's --profile: kernel names sorted into kinds, and one call's time summed by kind
-    and by name (on CPU: its ops' self time)."""
+def _bench_gpu():
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
     spec = importlib.util.spec_from_file_location("bench_gpu", path)
     bench_gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_gpu)
+    return bench_gpu
+
+
+def test_bench_gpu_profiles_device_time_by_kind_of_kernel():
+    """bench_gpu's --profile: kernel names sorted into kinds, and one call's time summed by kind
+    and by name (on CPU: its ops' self time)."""
+    bench_gpu = _bench_gpu()
     kinds = {"void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>": "attention",
              "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",
              "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
@@ -407,3 +412,30 @@ def test_bench_gpu_profiles_device_time_by_kind_of_kernel():
     assert {"gemm", "attention"} <= set(profile["by_kind_ms"]) and profile["events"] >= 3
     assert profile["total_ms"] == pytest.approx(sum(profile["by_kind_ms"].values()), rel=1e-3)
     assert ["aten::mm", 2] == profile["top"][[row[0] for row in profile["top"]].index("aten::mm")][:2]
+
+
+def test_bench_gpu_checks_the_issues_targets_on_the_best_rows_with_parity():
+    """bench_gpu's targets: per target the fastest rbcompile row at its budget (a full path
+    only with parity) against the fastest reference row; missing rows leave it unmeasured."""
+    def row(contender, ms, budget=0.0, **fields):
+        return {"contender": contender, "ms": ms, "budget": budget, **fields}
+    results = {"cases": {
+        "bert": {"rows": [row("inductor", 5.0), row("inductor-ro", 2.4),
+                          row("rbc-graphs", 2.45, parity=True),
+                          row("rbc-ind-graphs", 2.0, parity=False),      # fastest, but wrong
+                          row("rbc-graphs", 1.8, budget=0.25, top1_agreement=0.2),
+                          {"contender": "rbc-k-graphs", "error": "RuntimeError: boom"}]},
+        "llama1b": {"rows": [row("inductor", 20.0)]},                     # no rbcompile row
+        "smol-decode": {"rows": [row("inductor-ro", 390.0, tokens_per_s=328.0),
+                                 row("rbc-generate", 300.0, tokens_per_s=427.0)]}}}
+    checks = {(c["case"], c["budget"]): c for c in _bench_gpu().target_checks(results)}
+    full = checks[("bert", 0.0)]
+    assert (full["rbcompile"], full["reference"]) == ("rbc-graphs", "inductor-ro")
+    assert full["speedup"] == pytest.approx(2.4 / 2.45) and full["met"]      # within 1.05x
+    light = checks[("bert", 0.25)]
+    assert light["speedup"] == pytest.approx(2.4 / 1.8) and light["met"]     # >= 1.25x
+    assert checks[("llama1b", 0.0)]["met"] is None
+    decode = checks[("smol-decode", 0.0)]
+    assert decode["met"] and decode["speedup"] == pytest.approx(390 / 300)
+    results["cases"]["bert"]["rows"][2]["ms"] = 2.6                          # 0.92x: missed
+    assert _bench_gpu().target_checks(results)[0]["met"] is False
