@@ -180,11 +180,11 @@ class CompiledModel:
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
                                            or attention_mask.shape != input_ids.shape):
             raise UserError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
-        low, high, unpadded = _read_inputs(input_ids, attention_mask)
+        droppable = self.unpadded_attention and getattr(self.module, "UNPADDED", None) is not None
+        low, high, whole = _read_inputs(input_ids, attention_mask if droppable else None)
         if low < 0 or high >= self.vocab_size:
             raise UserError(f"token ids must be in [0, {self.vocab_size})")
-        unpadded = (unpadded and self.unpadded_attention
-                    and getattr(self.module, "UNPADDED", None) is not None)
+        unpadded = droppable and whole
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=torch.long)
         device = self.device
