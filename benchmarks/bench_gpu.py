@@ -22,7 +22,9 @@ Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`
 graph per plan, rbcompile/plan_graphs.py), `rbc-masked-graphs` (`rbc-graphs` with every
 attention reading its all-ones mask, as before passes/unpadded_attention.py),
 `rbc-k-graphs` / `rbc-k-noseams-graphs` (rbcompile's Triton kernels, with and without seams:
-the residual add fused into the next region's norm), and
+the residual add fused into the next region's norm), `rbc-k-borrow-graphs` (`rbc-k-graphs`
+handing out the graph's output buffers, `use_cuda_graphs(borrow_outputs=True)`, instead of a
+copy: inductor's default mode makes none either, its outputs are fresh), and
 for decoding `rbc-backend` (torch.compile(backend="rbcompile", options={"cuda_graphs": True})),
 `rbc-backend-plan` (the same with `regions="plan"`) and `rbc-generate-plan` (`rbc-generate`
 through plan graphs). `rbc-backend*` run rbcompile's Triton kernels on CUDA (the backend's
@@ -31,13 +33,14 @@ the last timed run's output of every contender's full path is checked against ea
 dtype (rbcompile/placement.py tolerances), budgets' against eager's top-1 (and their share of
 skipped FLOPs is recorded); the artifact rows record their CUDA graph counts (captures,
 replays, eager calls, memory fallbacks). The contenders the issue's targets need run first
-in every case (prefill: eager, inductor, inductor-ro, rbc-graphs, rbc-k-graphs; decode:
-inductor-ro, rbc-generate), the others after all of those, in case order (each case's model
-stays in memory until its extras ran); contenders (and cases) that would start after
-`--deadline-s` are skipped and listed. The prefill cases compile the artifact once per kernel
-setting and load a fresh copy per contender. `--smoke` runs tiny configs (on CPU too) to test
-the script itself. Writes OUT_DIR/bench_gpu.json after each row, atomically (a run killed at
-its time limit keeps the rows it finished, and a SIGTERM still prints the table). `--profile`
+in every case (prefill: eager, inductor, inductor-ro, rbc-graphs, rbc-k-graphs,
+rbc-k-borrow-graphs; decode: inductor-ro, rbc-generate), the others after all of those, in case
+order (each case's model stays in memory until its extras ran); contenders (and cases) that
+would start after `--deadline-s` are skipped and listed. The prefill cases compile the
+artifact once per kernel setting and load a fresh copy per contender. `--smoke` runs tiny
+configs (on CPU too) to test the script itself. Writes OUT_DIR/bench_gpu.json after each row,
+atomically (a run killed at its time limit keeps the rows it finished, and a SIGTERM still
+prints the table). `--profile`
 contenders get one more call of their full path under torch.profiler: device time by kind of
 kernel (gemm, attention, inductor's Triton, rbcompile's Triton, copies, other) and the longest
 kernels, next to the wall time, so a miss says where its time goes. The summary ends with the
@@ -345,7 +348,7 @@ def prefill_case(case: Case, model, batch, seq, args):
 
     saved = {}  # kernels -> artifact folder: tracing the model and its decoder once
 
-    def artifact(engine="interp", kernels=False, seams=True, unpadded=True):
+    def artifact(engine="interp", kernels=False, seams=True, unpadded=True, borrow=False):
         def setup():
             if kernels not in saved:
                 saved[kernels] = rbcompile.compile(model, kernels=kernels).save(
@@ -358,7 +361,7 @@ def prefill_case(case: Case, model, batch, seq, args):
             elif engine == "plan":
                 compiled.compile_plans()
             if case.device.type == "cuda":
-                compiled.use_cuda_graphs()
+                compiled.use_cuda_graphs(borrow_outputs=borrow)
             name = compiled.output_names[0]
             return ((lambda budget: compiled(ids, mask, budget=budget)[name]), reference,
                     artifact_notes(compiled, lambda: compiled.cuda_graphs,
@@ -368,6 +371,8 @@ def prefill_case(case: Case, model, batch, seq, args):
     graphs = "-graphs" if case.device.type == "cuda" else ""
     case.contender(f"rbc{graphs}", artifact(), (None, *BUDGETS))
     case.contender(f"rbc-k{graphs}", artifact(kernels=True), (None, BUDGETS[0]))  # CUDA's default
+    if graphs:  # without the copy out of the graph (the 1B's logits: 1 GB)
+        case.contender("rbc-k-borrow-graphs", artifact(kernels=True, borrow=True))
     case.contender(f"rbc-masked{graphs}", artifact(unpadded=False), (None,), extra=True)
     case.contender(f"rbc-ind{graphs}", artifact("regions"), (None, *BUDGETS), extra=True)
     case.contender(f"rbc-plan{graphs}", artifact("plan"), (None, BUDGETS[0]), extra=True)

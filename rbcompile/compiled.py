@@ -113,13 +113,18 @@ class CompiledModel:
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
                         batch_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), seq_multiple: int = 64,
                         capture_after: int = 1, min_free_fraction: float = 0.05,
-                        capture=None) -> "CompiledModel":
+                        borrow_outputs: bool = False, capture=None) -> "CompiledModel":
         """Run through CUDA graphs, one per (gates, widths, batch bucket, sequence bucket).
 
         Inputs are padded up to the next batch bucket (rows of mask 1) and the next multiple of
-        `seq_multiple` tokens (mask 0 on the right), outputs cut back. The shape-keyed region
-        cache is off while graphs are on (the graph computes those values itself). `capture`
-        replaces the CUDA capture (tests: a fake one on CPU; see rbcompile/cuda_graphs.py)."""
+        `seq_multiple` tokens (mask 0 on the right), outputs cut back and copied out of the
+        graph. `borrow_outputs=True` skips that copy (a 4 x 1024 prefill's bf16 logits over a
+        128k vocabulary: 1 GB): a call's outputs are then the graph's own buffers, which the
+        next call overwrites (any plan or shape: the graphs share their memory), as inductor's
+        `reduce-overhead` does; for callers done with an output before they call again. The
+        shape-keyed region cache is off while graphs are on (the graph computes those values
+        itself). `capture` replaces the CUDA capture (tests: a fake one on CPU; see
+        rbcompile/cuda_graphs.py)."""
         if self.device.type != "cuda" and capture is None and enabled:
             raise UserError(f"CUDA graphs need the model on a CUDA device (it is on {self.device})")
         if self.decoder is not None:  # its decode steps: one graph per plan and shape
@@ -134,14 +139,16 @@ class CompiledModel:
         self.cuda_graphs = GraphCache(self.module, max_graphs=max_graphs,
                                       capture_after=capture_after,
                                       min_free_fraction=min_free_fraction,
-                                      in_place=lambda tensor: False, capture=capture)
+                                      in_place=lambda tensor: False, capture=capture,
+                                      borrow_outputs=borrow_outputs)
         return self
 
     def _run_graphs(self, input_ids, attention_mask, gates, widths, unpadded: bool):
         """The module's outputs through the CUDA graph of this plan and bucket. `unpadded`
         (see `_check_inputs`): the graph takes no mask when its attention is causal or the
         sequence needs no padding to its bucket. Inputs that fill their bucket go to the graph
-        as they are (it copies them into its buffers)."""
+        as they are (it copies them into its buffers); of its outputs, the rows and positions
+        of the call are copied out."""
         batch_buckets, seq_multiple = self._buckets
         batch, seq = input_ids.shape
         padded_batch = next((b for b in batch_buckets if b >= batch), batch)
@@ -153,11 +160,15 @@ class CompiledModel:
             # filler rows attend to something: no all-masked softmax
             mask = attention_mask if fills else _padded(attention_mask, padded_batch, padded_seq,
                                                         filler_rows=1)
-        outputs = self.cuda_graphs(plan_key(gates, widths), ids, mask, gates, widths)
-        per_token = (self.sequence_outputs if self.sequence_outputs is not None
-                     else [name for name, out in zip(self.output_names, outputs) if out.dim() >= 3])
-        return [out[:batch, :seq] if name in per_token else out[:batch]
-                for name, out in zip(self.output_names, outputs)]
+
+        def cut(outputs):  # the call's rows, and positions of the per-token outputs
+            per_token = (self.sequence_outputs if self.sequence_outputs is not None else
+                         [name for name, out in zip(self.output_names, outputs) if out.dim() >= 3])
+            return [out[:batch, :seq] if name in per_token else out[:batch]
+                    for name, out in zip(self.output_names, outputs)]
+
+        return self.cuda_graphs(plan_key(gates, widths), ids, mask, gates, widths,
+                                select=None if fills else cut)
 
     # ---- running --------------------------------------------------------------------------
 

@@ -23,7 +23,10 @@ artifact runtime (`CompiledModel.use_cuda_graphs`) and the torch.compile backend
   they are; their addresses are part of the key. The inputs at `in_place_at` are put back after
   a capture (whose warm-up runs write them), so a call writes them once (a counter the run
   increments counts one). Outputs are copied out, so a later replay never overwrites what a
-  caller holds;
+  caller holds: only the part a call's `select` picks (its rows of a padded bucket), or none
+  with `borrow_outputs` (the graph's own buffers, valid until the cache's next call, as
+  inductor's `reduce-overhead` hands out: for callers that are done with an output before they
+  call again; graphs share one memory pool, so any replay may overwrite it);
 - cheap to repeat: a call whose in-place inputs are the very tensor objects the last replayed
   graph read (a decode step's 2 x layers cache tensors, step after step) is matched to that
   graph by identity and the other inputs' keys, without keying every input again. A tensor
@@ -150,10 +153,12 @@ class GraphCache:
     def __init__(self, run: Callable, *, max_graphs: int = 16, capture_after: int = 1,
                  min_free_fraction: float = 0.05, in_place: Callable = is_static_address,
                  in_place_at: frozenset[int] = frozenset(), capture: Callable | None = None,
-                 free_fraction: Callable[[list], float] | None = None):
+                 free_fraction: Callable[[list], float] | None = None,
+                 borrow_outputs: bool = False):
         if max_graphs < 1 or capture_after < 1:
             raise ValueError("max_graphs and capture_after must be >= 1")
         self.run = run
+        self.borrow_outputs = borrow_outputs
         self.max_graphs, self.capture_after = max_graphs, capture_after
         self.min_free_fraction = min_free_fraction
         self.in_place, self.in_place_at = in_place, in_place_at
@@ -182,10 +187,11 @@ class GraphCache:
     def keys(self) -> list[tuple]:
         return list(self._graphs)
 
-    def __call__(self, key: tuple, *inputs):
+    def __call__(self, key: tuple, *inputs, select: Callable | None = None):
         """`run(*inputs)`, through the graph captured for `key` (plus the tensor inputs' shapes
         and dtypes, the addresses of the in-place ones and the other inputs' values) when there
-        is one."""
+        is one. `select(outputs)` picks what the call returns (views of them): after a replay
+        that part alone is copied out (unless borrowed)."""
         with self._lock:
             graph = self._repeated(key, inputs)
             self.stats.repeats += graph is not None
@@ -207,9 +213,11 @@ class GraphCache:
                     buffer.copy_(inputs[position])
                 graph.replay()
                 self.stats.replays += 1
-                return _clone_outputs(graph.outputs)
+                outputs = graph.outputs if select is None else select(graph.outputs)
+                return outputs if self.borrow_outputs else _clone_outputs(outputs)
             self.stats.eager_calls += 1
-        return self.run(*inputs)
+        outputs = self.run(*inputs)
+        return outputs if select is None else select(outputs)
 
     def _reads_in_place(self, position: int, value) -> bool:
         return isinstance(value, torch.Tensor) and (position in self.in_place_at

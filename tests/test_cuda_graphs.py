@@ -61,6 +61,39 @@ def test_key_shapes_lazy_capture_and_copies():
     assert cache.stats.captures == 1 and cache.stats.eager_calls == 2
 
 
+def _owns_its_memory(tensor) -> bool:
+    """Whether `tensor` is a copy of its own, not a view into a larger buffer."""
+    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def test_a_replay_copies_out_what_the_call_selects_or_lends_its_buffers():
+    """`select` picks what a call returns: after a replay that part alone is copied out (an
+    eager call's fresh outputs are not copied); with `borrow_outputs` nothing is, and the next
+    replay overwrites what the last one returned."""
+    def run(x):
+        return x * 2, x.sum(0)
+
+    def first_rows(outputs):
+        return [outputs[0][:2], outputs[1]]
+
+    x, y = torch.ones(4, 3), torch.full((4, 3), 5.0)
+    cache, _ = _cache(run, capture_after=2)
+    eager = cache("plan", x, select=first_rows)
+    assert cache.stats.eager_calls == 1 and not _owns_its_memory(eager[0])  # a view of run's
+    out = cache("plan", x, select=first_rows)                                # captured, replayed
+    assert cache.stats.replays == 1 and out[0].shape == (2, 3)
+    assert all(map(_owns_its_memory, out)) and torch.equal(out[0], 2 * x[:2])
+    cache("plan", y, select=first_rows)
+    assert torch.equal(out[0], 2 * x[:2])                  # a copy: the next replay leaves it
+
+    lent, _ = _cache(run, borrow_outputs=True)
+    out = lent("plan", x, select=first_rows)
+    assert torch.equal(out[0], 2 * x[:2]) and not _owns_its_memory(out[0])
+    again = lent("plan", y, select=first_rows)
+    assert again[0].data_ptr() == out[0].data_ptr()        # the graph's own buffer, both times
+    assert torch.equal(out[0], 2 * y[:2])                  # overwritten by the next replay
+
+
 def test_other_inputs_key_the_graph():
     """A graph holds the ints and floats it was captured with (dynamo passes an int that
     changes between calls as an input): another value is another graph, not a stale replay."""
@@ -267,7 +300,7 @@ def test_artifact_pads_to_buckets_and_cuts_back():
         mask[0, -2:] = 0
         got = compiled(ids, mask)["last_hidden_state"]
         expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        assert got.shape == expected.shape
+        assert got.shape == expected.shape and _owns_its_memory(got)  # the call's part copied
         assert ((got - expected) * mask[..., None]).abs().max().item() <= 1e-5
     keys = compiled.cuda_graphs.keys()
     shapes = sorted({key[1][0][0] for key in keys})              # (padded batch, padded seq)
@@ -276,6 +309,25 @@ def test_artifact_pads_to_buckets_and_cuts_back():
     assert len(compiled.cuda_graphs) == 3
     compiled.use_cuda_graphs(False)
     assert compiled.cuda_graphs is None and compiled.module.region_cache.enabled
+
+
+def test_borrowed_outputs_are_the_graphs_buffers_cut_to_the_call():
+    """`use_cuda_graphs(borrow_outputs=True)`: no copy out; a call's outputs are (views of) the
+    graph's buffers, which the next call overwrites."""
+    model = make_tiny_model("bert")
+    compiled = rbcompile.compile(model)
+    compiled.use_cuda_graphs(capture=FakeCapture(), batch_buckets=(2,), seq_multiple=16,
+                             borrow_outputs=True)
+    generator = torch.Generator().manual_seed(0)
+    ids, other = (torch.randint(3, TINY_VOCAB, (2, 16), generator=generator) for _ in range(2))
+    first = compiled(ids)["last_hidden_state"]
+    assert (first - model(input_ids=ids).last_hidden_state).abs().max().item() <= 1e-5
+    second = compiled(other)["last_hidden_state"]
+    assert second.data_ptr() == first.data_ptr() and torch.equal(first, second)
+    short = ids[:1, :9]                                            # padded to (2, 16), cut back
+    got = compiled(short)["last_hidden_state"]
+    assert got.shape == (1, 9, 32) and not _owns_its_memory(got)  # a view of a (2, 16) buffer
+    assert (got - model(input_ids=short).last_hidden_state).abs().max().item() <= 1e-5
 
 
 class HostWork(TorchFunctionMode):
