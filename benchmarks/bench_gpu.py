@@ -335,7 +335,9 @@ def prefill_case(case: Case, model, batch, seq, args):
     def hf(compiled, graphs=False):
         def run(budget):
             with torch.no_grad():
-                if graphs:  # cudagraph trees reuse output memory: copy out, as rbcompile does
+                # cudagraph trees reuse output memory: copied out, as rbcompile's graphs do
+                # unless they lend their buffers (rbc-k-borrow-graphs)
+                if graphs:
                     torch.compiler.cudagraph_mark_step_begin()
                     return first_tensor(compiled(input_ids=ids, attention_mask=mask)).clone()
                 return first_tensor(compiled(input_ids=ids, attention_mask=mask))
