@@ -40,10 +40,10 @@ would start after `--deadline-s` are skipped and listed. The prefill cases compi
 artifact once per kernel setting and load a fresh copy per contender. `--smoke` runs tiny
 configs (on CPU too) to test the script itself. Writes OUT_DIR/bench_gpu.json after each row,
 atomically (a run killed at its time limit keeps the rows it finished, and a SIGTERM still
-prints the table). `--profile`
-contenders get one more call of their full path under torch.profiler: device time by kind of
-kernel (gemm, attention, inductor's Triton, rbcompile's Triton, copies, other) and the longest
-kernels, next to the wall time, so a miss says where its time goes. The summary ends with the
+prints the table). `--profile` contenders get one more call of their full path under
+torch.profiler: device time by kind of kernel (gemm, attention, inductor's Triton, rbcompile's
+Triton, copies, other) and the longest kernels, next to the wall time, so a miss says where its
+time goes. The summary ends with the
 issue's targets (`TARGETS`), each met or not by the best rbcompile row (also in the JSON).
 """
 from __future__ import annotations

@@ -7,8 +7,9 @@ so the mask says nothing but causality: SDPA's `is_causal=True` without a mask (
 mask at all (encoders) computes the same values, with the kernels that take no mask (on CUDA
 flash attention where queries and keys are as many, as in a forward; a prefill into a longer
 KV cache runs memory-efficient attention without a mask, flash aligning its causal mask
-otherwise; on CPU the causal kernel skips the masked blocks: benchmarks/bench_unpadded.py). transformers makes the same choice in eager mode (`padding_mask.all()`); a trace
-cannot, since that is a property of the values.
+otherwise; on CPU the causal kernel skips the masked blocks: benchmarks/bench_unpadded.py).
+transformers makes the same choice in eager mode (`padding_mask.all()`); a trace cannot, since
+that is a property of the values.
 
 This pass finds such masks and lets the generated module choose per call: a forward given the
 mask input as None (rbcompile/regions.py `Unpadded`: the artifact passes None when its

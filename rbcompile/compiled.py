@@ -159,7 +159,7 @@ class CompiledModel:
         if not unpadded or (not fills and not self.module.UNPADDED.causal):
             # filler rows attend to something: no all-masked softmax
             mask = attention_mask if fills else _padded(attention_mask, padded_batch, padded_seq,
-                                                        filler_rows=1)
+                                                        filler=1)
 
         def cut(outputs):  # the call's rows, and positions of the per-token outputs
             per_token = (self.sequence_outputs if self.sequence_outputs is not None else
@@ -504,13 +504,13 @@ def _load_offramps(path: Path, spec: dict) -> OffRamps:
                         f"({first_line(exc)})") from None
 
 
-def _padded(tensor: torch.Tensor, batch: int, seq: int, filler_rows: int = 0) -> torch.Tensor:
+def _padded(tensor: torch.Tensor, batch: int, seq: int, filler: int = 0) -> torch.Tensor:
     """`tensor` [b, s] in the corner of a [batch, seq] tensor of zeros, its rows past b filled
-    with `filler_rows`."""
+    with `filler`."""
     padded = tensor.new_zeros(batch, seq)
     padded[:tensor.shape[0], :tensor.shape[1]] = tensor
-    if filler_rows and batch > tensor.shape[0]:
-        padded[tensor.shape[0]:] = filler_rows
+    if filler and batch > tensor.shape[0]:
+        padded[tensor.shape[0]:] = filler
     return padded
 
 
