@@ -20,7 +20,7 @@ Writes benchmarks/results/bench_generate.json (every raw time) or --json PATH.
 `speculate` n-gram drafts verified in its batch steps for engine ngram.
 
     python benchmarks/bench_generate.py [--samples 3] [--rounds 1] [--new-tokens 128]
-        [--batches 1 8] [--workloads continuation grounded technical] [--threads 2]
+        [--batches 1 8] [--workloads continuation grounded technical] [--threads 2] [--dtype bf16]
         [--contenders rbcompile-off ...] [--artifact FOLDER] [--json PATH] [--smoke]
 
 --smoke: 1 sample, 8 new tokens, batch 2, the grounded workload (checks the script in ~2 min).
@@ -46,6 +46,7 @@ from common import pin_threads, print_table, write_json  # noqa: E402
 import rbcompile  # noqa: E402
 from rbcompile.engine import EngineRequest  # noqa: E402
 from rbcompile.models import load_hf_model, resolve_checkpoint  # noqa: E402
+from rbcompile.placement import parse_dtype  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 SHARED = Path("/work/shared/data")
@@ -325,7 +326,7 @@ def _fmt(value, spec, empty="-"):
 
 
 def print_report(rows: list[dict], args, load: dict) -> list:
-    print(f"\nGreedy generation, {args.new_tokens} new tokens max, torch threads "
+    print(f"\nGreedy generation in {args.dtype}, {args.new_tokens} new tokens max, torch threads "
           f"{args.threads}, {args.rounds} round(s); contenders interleaved per sample and round "
           f"(ABBA).\nColumns: calls = timed calls (samples x rounds); new tok = median new tokens "
           f"per call, summed over rows (a row ends at EOS, EOS counted);\ntok/s = median of new "
@@ -376,6 +377,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="bundled decoder name to compile")
     parser.add_argument("--artifact", help="load this artifact folder instead of compiling")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="the precision both models run in (an --artifact is compiled in it)")
     parser.add_argument("--samples", type=int, default=3, help="batch-1 prompts per workload")
     parser.add_argument("--rounds", type=int, default=1, help="timed rounds over all samples")
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -400,14 +403,14 @@ def main() -> None:
 
     if args.artifact:
         with step(f"loading the artifact {args.artifact}"):
-            compiled = rbcompile.load(args.artifact)
+            compiled = rbcompile.load(args.artifact, dtype=parse_dtype(args.dtype))
             source = compiled.manifest["source"]["path"]
     else:
-        with step(f"compiling {args.model}"):
-            compiled = rbcompile.compile(args.model)
+        with step(f"compiling {args.model} in {args.dtype}"):
+            compiled = rbcompile.compile(args.model, dtype=args.dtype)
             source = args.model
     with step("loading the same weights in transformers"):
-        eager = load_hf_model(resolve_checkpoint(source))
+        eager = load_hf_model(resolve_checkpoint(source), dtype=parse_dtype(args.dtype))
     tokenizer = compiled.tokenizer
     eos = compiled.hf_config.get("eos_token_id")
     eos = set([eos] if isinstance(eos, int) else eos or [])
