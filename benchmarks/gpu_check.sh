@@ -3,9 +3,10 @@
 #
 # 1. native kernel tests (tests/test_kernels.py with TRITON_INTERPRET=0, on CUDA tensors);
 # 2. kernel benchmark (benchmarks/bench_kernels.py: reference, torch.compile'd reference, Triton);
-# 3. grouped-head attention (benchmarks/bench_gqa.py: repeat_kv copies vs enable_gqa, bf16, with
-#    a mask: passes/gqa_attention.py keeps the copies on CUDA, this checks that choice; and
-#    causal without a mask, an unpadded forward's: what grouped heads would gain there);
+# 3. grouped-head attention (benchmarks/bench_gqa.py, bf16: repeat_kv copies, enable_gqa and
+#    folded queries, and the form rbcompile/attention.py takes on CUDA: folded for decode and
+#    verify steps, copies elsewhere; with a mask, and causal without one, where flash attention
+#    takes grouped heads: whether the runtime should take enable_gqa there);
 # 4. end-to-end benchmark (benchmarks/bench_gpu.py: BERT-base fp16, SmolLM2-sized Llama bf16
 #    prefill and decode, 1B-sized Llama bf16 prefill; eager, inductor, rbcompile; parity).
 # STEPS picks steps (default "test_kernels bench_kernels bench_gqa bench_gpu"; "tune_kernels" sweeps the

@@ -1,15 +1,16 @@
-"""Attention over grouped key / value heads without copying them (an exact rewrite).
+"""Attention over grouped key / value heads without copying them in the graph (an exact
+rewrite).
 
-Requires: nothing (right after canonicalize). Ensures: no `scaled_dot_product_attention` off
-CUDA reads keys or values through transformers' `repeat_kv` (`unsqueeze(x, 2) -> expand ->
-reshape`, which copies the whole K/V, the entire cache in a decode step, for every layer and
-call); such an attention reads `x` itself with `enable_gqa=True`, which computes the same
-values (each query head attends to its group's key / value head): on CPU 1.07-3.4x faster than
-the copies and the attention after them (benchmarks/bench_gqa.py: SmolLM2's heads, prefill and
-decode shapes). On CUDA the copies stay: there the fused kernels that take a mask
-(memory-efficient attention) do not take grouped heads and the one that takes grouped heads
-(flash) takes no mask, so with the additive mask every attention here has, `enable_gqa` would
-run the math kernel, which repeats K/V itself (transformers decides the same way for CUDA).
+Requires: nothing (right after canonicalize). Ensures: no `scaled_dot_product_attention` reads
+keys or values through transformers' `repeat_kv` (`unsqueeze(x, 2) -> expand -> reshape`,
+which copies the whole K/V, the entire cache in a decode step, for every layer and call); such
+an attention reads `x` itself with `enable_gqa=True`, which computes the same values (each
+query head attends to its group's key / value head). The generated module runs every such
+attention through rbcompile/attention.py `grouped_attention`, which picks the form per call
+and device: SDPA's own grouped heads (CPU: 1.07-3.4x faster than the copies and the attention
+after them, benchmarks/bench_gqa.py), the group's queries folded onto their K/V head (a decode
+step with its mask, CUDA and 16-bit CPU), or, on CUDA where folding does not pay, the copies
+(the fused kernel that takes a mask takes no grouped heads there).
 """
 from __future__ import annotations
 
@@ -49,23 +50,11 @@ def _grouped_source(node) -> tuple[Node, int] | None:
     return (unsqueeze.args[0], group) if isinstance(group, int) and group > 1 else None
 
 
-def reads_groups_in_place(device: torch.device) -> bool:
-    """Whether an attention on `device` should read grouped K/V heads with `enable_gqa` (see
-    the module docstring: not on CUDA). The trace's switch (trace.grouped_attention) asks too."""
-    return device.type != "cuda"
-
-
-def _keeps_copies(node) -> bool:
-    value = node.meta.get("val") if isinstance(node, Node) else None
-    return isinstance(value, torch.Tensor) and not reads_groups_in_place(value.device)
-
-
 @graph_pass()
 def gqa_attention(gm: GraphModule, ctx: PassContext) -> PassReport:
     rewritten = 0
     for node in list(gm.graph.nodes):
-        if (node.target is not _ATTENTION or node.kwargs.get("enable_gqa")
-                or _keeps_copies(node.args[0])):
+        if node.target is not _ATTENTION or node.kwargs.get("enable_gqa"):
             continue
         key, value = (_grouped_source(arg) for arg in node.args[1:3])
         if key is None or value is None or key[1] != value[1]:

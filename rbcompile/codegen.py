@@ -40,6 +40,8 @@ def _arg(value, params: dict[str, str]) -> str:
 
 
 KERNELS = "rbcompile."  # op names of the fused kernels (torch.ops.rbcompile, see kernels/)
+ATTENTION = "aten.scaled_dot_product_attention.default"
+GROUPED_ATTENTION = "grouped_attention"   # rbcompile/attention.py (onnx_export.py for "cond")
 
 
 def _call(op: str, args: list, kwargs: dict, params: dict[str, str]) -> str:
@@ -47,6 +49,20 @@ def _call(op: str, args: list, kwargs: dict, params: dict[str, str]) -> str:
     if op.startswith(KERNELS):
         op = "rbcompile_ops." + op[len(KERNELS):]
     return f"{op}({', '.join(parts)})"
+
+
+def _route_grouped_attention(ir: dict) -> dict:
+    """`ir` with each attention over grouped K/V heads (`enable_gqa=True`) calling
+    `grouped_attention`, which picks its form per call (rbcompile/attention.py). Only for an IR
+    that asks for it (`grouped_attention`: older artifacts call SDPA, and their code stays)."""
+    def routed(nodes):
+        return [[name, GROUPED_ATTENTION, args,
+                 {key: value for key, value in kwargs.items() if key != "enable_gqa"}, region]
+                if op == ATTENTION and kwargs.get("enable_gqa") is True
+                else [name, op, args, kwargs, region] for name, op, args, kwargs, region in nodes]
+
+    return {**ir, "nodes": routed(ir["nodes"]),
+            "variants": [{**v, "nodes": routed(v["nodes"])} for v in ir.get("variants", [])]}
 
 
 def _last_reads(reads: list[list[str]], keep=frozenset()) -> list[list[str]]:
@@ -246,6 +262,9 @@ def generate_source(ir: dict, guards: str = "python") -> str:
     (`guards="python"`, the artifact's model.py) or as `torch.cond`s on a bool tensor ("cond");
     see rbcompile/regions.py."""
     check_ir(ir)
+    grouped = bool(ir.get("grouped_attention"))
+    if grouped:
+        ir = _route_grouped_attention(ir)
     variants = sorted(ir.get("variants", []), key=lambda v: -v["ratio"])
     params = {**ir["parameters"], **{n: v for var in variants for n, v in var["parameters"].items()}}
     by_region: dict[int, list] = {}
@@ -277,6 +296,8 @@ def generate_source(ir: dict, guards: str = "python") -> str:
         "from rbcompile.region_cache import RegionCache",
         ("from rbcompile.regions import Region, Unpadded, run_regions" if ir.get("unpadded")
          else "from rbcompile.regions import Region, run_regions"),
+        *([f"from rbcompile.{'onnx_export' if guards == 'cond' else 'attention'} import "
+           f"{GROUPED_ATTENTION}"] if grouped else []),
         "",
         ("from rbcompile.onnx_export import EXPORT_ATEN as aten" if guards == "cond"
          else "aten = torch.ops.aten"),

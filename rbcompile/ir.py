@@ -23,13 +23,15 @@ _PARAM_KEY = re.compile(r"[A-Za-z0-9_.]+")
 _TEXT = re.compile(r"[A-Za-z0-9_.,:+<>()/ -]*")  # strings codegen writes into comments
 _OP = re.compile(r"(aten|prims|rbcompile)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
 RESERVED_NAMES = {"self", "gates", "torch", "aten", "prims", "operator", "math", "RegionCache",
-                  "Region", "Unpadded", "run_regions", "rbcompile", "rbcompile_ops"}
+                  "Region", "Unpadded", "run_regions", "rbcompile", "rbcompile_ops",
+                  "grouped_attention"}
 OPERATOR_FUNCTIONS = {f"operator.{name}": getattr(operator, name) for name in (
     "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow",
     "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "is_")}
 # symbolic-size arithmetic that graphs from torch.compile with dynamic shapes contain
 OPERATOR_FUNCTIONS.update({f"torch.{name}": getattr(torch, name) for name in (
     "sym_sum", "sym_max", "sym_min", "sym_not", "sym_float", "sym_int", "sym_ite")})
+_ATTENTION = "aten.scaled_dot_product_attention.default"
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
@@ -148,6 +150,8 @@ def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names,
         ir["concatenated"] = dict(concatenated)
     if unpadded:
         ir["unpadded"] = dict(unpadded)
+    if any(op == _ATTENTION and kwargs.get("enable_gqa") is True for _, op, _, kwargs, _ in nodes):
+        ir["grouped_attention"] = True   # codegen: through rbcompile/attention.py, per call
     return ir
 
 
@@ -277,9 +281,6 @@ def _check_concatenated(ir: dict) -> None:
             raise UserError(f"corrupt artifact graph: bad stacked weight {key!r}")
 
 
-_ATTENTION = "aten.scaled_dot_product_attention.default"
-
-
 def _check_unpadded(ir: dict) -> None:
     """The masks a call without padding drops (passes/unpadded_attention.py) are outputs of
     regions, read after their region only as attention masks (in width variants too), by
@@ -357,6 +358,8 @@ def check_ir(ir: dict) -> None:
         _check_seams(ir)
         _check_concatenated(ir)
         _check_unpadded(ir)
+        if ir.get("grouped_attention", True) is not True:
+            raise UserError("corrupt artifact graph: bad grouped_attention")
         params = set(ir["parameters"])
         for variant in ir.get("variants", []):
             params |= _check_variant(variant, ir)

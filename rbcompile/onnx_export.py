@@ -87,6 +87,14 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return torch.where(fully_masked, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
+def grouped_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                      scale=None):
+    """The exported attention over grouped K/V heads: SDPA's `enable_gqa` (the artifact's
+    rbcompile/attention.py chooses a form per call, which an exported graph cannot)."""
+    return _attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                      enable_gqa=True)
+
+
 class _ExportAten:
     """`torch.ops.aten` for the module the ONNX export traces (codegen's `guards="cond"`),
     with the attention above."""

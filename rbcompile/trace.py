@@ -54,13 +54,12 @@ def _export(model, kwargs, dims: dict, family: str):
 
 @contextlib.contextmanager
 def grouped_attention():
-    """While tracing a model off CUDA, transformers' SDPA attention reads grouped K/V heads in
-    place (`enable_gqa=True`) instead of through `repeat_kv` copies: the graph the
-    `gqa_attention` pass makes of the copies, traced without them (their expand + reshape over
-    dynamic shapes was a third of a KV-cached decoder's trace time). transformers' own switch,
-    `use_gqa_in_sdpa`, is patched for the duration; on CUDA it decides as it does (the copies,
-    where there is a mask: see the pass). Without the switch nothing changes and the pass
-    rewrites the copies as before."""
+    """While tracing, transformers' SDPA attention reads grouped K/V heads in place
+    (`enable_gqa=True`) instead of through `repeat_kv` copies: the graph the `gqa_attention`
+    pass makes of the copies, traced without them (their expand + reshape over dynamic shapes
+    was a third of a KV-cached decoder's trace time; the generated module chooses the form per
+    call, rbcompile/attention.py). transformers' own switch, `use_gqa_in_sdpa`, is patched for
+    the duration. Without the switch nothing changes and the pass rewrites the copies."""
     try:
         from transformers.integrations import sdpa_attention
     except ImportError:
@@ -69,14 +68,7 @@ def grouped_attention():
     if original is None:
         yield
         return
-
-    from .passes.gqa_attention import reads_groups_in_place
-
-    def use_gqa_in_sdpa(attention_mask, key, *args, **kwargs):
-        return (reads_groups_in_place(key.device)
-                or original(attention_mask, key, *args, **kwargs))
-
-    sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: True
     try:
         yield
     finally:

@@ -38,6 +38,9 @@ def test_decoder_graph_writes_the_cache_in_the_skeleton_and_gates_the_mlps(saved
     regions = decoder.ir["regions"]
     prunable = [r for r in regions if r["kind"] == "prunable"]
     assert [r["unit_kind"] for r in prunable] == ["mlp"] * decoder.shape.layers
+    if arch == "llama":   # 4 query heads on 2 K/V heads: read in place, the form per call
+        assert decoder.source.count("grouped_attention(") == decoder.shape.layers
+        assert "enable_gqa" not in decoder.source and "repeat" not in decoder.source
     writes = [(node[0], node[4]) for node in decoder.ir["nodes"] if node[1].endswith("index_copy_.default")]
     assert len(writes) == 2 * decoder.shape.layers
     assert {regions[region]["kind"] for _, region in writes} == {"skeleton"}

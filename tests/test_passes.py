@@ -208,10 +208,11 @@ def test_grouped_kv_heads_are_read_in_place_traced_or_rewritten(monkeypatch):
         assert torch.equal(got, want)
 
 
-def test_grouped_kv_heads_keep_their_copies_on_cuda(monkeypatch):
-    """On CUDA an attention with a mask runs a fused kernel only over repeated K/V heads, so
-    the pass leaves the copies there (a graph whose attention reads CUDA tensors: fake ones
-    here), and the trace's switch gives transformers' own decision back on CUDA."""
+def test_grouped_kv_heads_are_read_in_place_on_cuda_too(monkeypatch):
+    """The graph reads grouped K/V heads in place whatever its device (the generated module
+    picks the form per call: rbcompile/attention.py): the pass rewrites the copies in a graph
+    whose attention reads CUDA tensors (fake ones here), and the trace's switch takes grouped
+    heads on CUDA as on CPU."""
     import contextlib
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -234,12 +235,15 @@ def test_grouped_kv_heads_keep_their_copies_on_cuda(monkeypatch):
                 query = node.args[0]
                 query.meta["val"] = torch.empty(query.meta["val"].shape, device="cuda")
     history = run_pipeline(traced.graph_module, ctx, [gqa_attention])
-    assert history[-1]["stats"]["rewritten"] == 0
-    assert _grouped_reads(traced.graph_module) == [False] * model.config.num_hidden_layers
-    with grouped_attention(), FakeTensorMode():
+    assert history[-1]["stats"]["rewritten"] == model.config.num_hidden_layers
+    assert _grouped_reads(traced.graph_module) == [True] * model.config.num_hidden_layers
+    with FakeTensorMode():
         key = torch.empty(1, 2, 5, 8, device="cuda")
-        assert not sdpa_attention.use_gqa_in_sdpa(torch.empty(1, 1, 1, 5, device="cuda"), key, key)
-        assert sdpa_attention.use_gqa_in_sdpa(torch.empty(1, 1, 1, 5), key.to("cpu"), key.to("cpu"))
+        mask = torch.empty(1, 1, 1, 5, device="cuda")
+        assert not sdpa_attention.use_gqa_in_sdpa(mask, key, key)   # transformers' own choice
+        with grouped_attention():
+            assert sdpa_attention.use_gqa_in_sdpa(mask, key, key)
+        assert not sdpa_attention.use_gqa_in_sdpa(mask, key, key)
 
 
 def test_the_backends_decomposed_attentions_share_their_mask_conversion():
