@@ -8,10 +8,11 @@ Two kinds of attention: with the additive mask every rbcompile attention has ("p
 causal without a mask ("causal": a forward without padding, passes/unpadded_attention.py), on
 SmolLM2-135M's heads (9 query heads on 3 K/V heads, 64 wide) at decode (1 query), verify (5
 queries: a speculative step) and prefill shapes, and a Llama-3.2-1B's (32 on 8) at decode and
-at its 4 x 1024 prefill; medians of --runs timed calls (synchronised on CUDA), the forms
+at its 4 x 1024 prefill; medians of about --runs timed calls (synchronised on CUDA), the forms
 alternating. CPU here; CUDA in benchmarks/gpu_check.sh (bf16), where the rows check the
-runtime's choice: folding for decode and verify steps, the copies for a padded prefill and,
-not yet measured, flash attention's grouped heads for a causal one.
+runtime's choice there: folding for decode and verify steps, the copies for a padded prefill
+and for a causal one; the causal rows tell whether it should take flash attention's grouped
+heads (`enable_gqa`) there instead.
 
     python benchmarks/bench_gqa.py [--device cpu|cuda] [--dtype fp32|bf16] [--runs 50]
         [--threads 2] [--json PATH | --json -]

@@ -3,23 +3,25 @@ form for each call.
 
 A generated module's attention over grouped heads (passes/gqa_attention.py: SDPA with
 `enable_gqa=True`) calls `grouped_attention`, which computes what SDPA computes, in one of
-three forms:
+three forms (`FORMS`):
 - **folded**: the query heads of one group become queries of their K/V head (`[B, KV*G, Q, D]`
   is `[B, KV, G*Q, D]`) and the mask is shared by the group. No K/V copy, and the fused
   kernels that take a mask run (memory-efficient on CUDA). Only where the call has a mask
-  shared by all heads and no causal flag, and where it moves fewer bytes than copying K/V
+  shared by all heads and no causal flag, and where it writes fewer elements than copying K/V
   (`folds`): a decode step always (1 query: the queries fold as a view, and the mask
   broadcasts), a long prefill not (the queries, the output and G copies of the mask would
-  move more);
+  move more). transformers >= 5.24 folds a single query the same way in eager mode
+  (`pack_gqa`);
 - **enable_gqa**: SDPA's own grouped heads (on CPU the fused kernel takes them);
 - **copies**: K/V repeated per query head (transformers' `repeat_kv`), then SDPA over as many
   heads. On CUDA the kernel that takes a mask takes no grouped heads, and this runtime does
   not yet choose flash attention's grouped heads for a call without a mask (to be measured:
   benchmarks/bench_gqa.py).
 
-Where each form runs: CUDA folds or copies; CPU folds in 16-bit floats (its fused kernel
-re-reads K/V per query head, 2-12x slower there for a decode step: benchmarks/bench_gqa.py)
-and otherwise takes `enable_gqa`; any other device takes `enable_gqa`.
+Where each form runs (`form`): CUDA folds where `folds` says, and copies otherwise. CPU folds a
+single query in 16-bit floats, where its fused kernel packs K/V per query head and folding is
+about 4-9x faster for a decode step (benchmarks/bench_gqa.py); with more queries, or in fp32, it
+takes `enable_gqa`, as fast as folding or faster. Any other device takes `enable_gqa`.
 """
 from __future__ import annotations
 
@@ -39,10 +41,10 @@ def repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def folds(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask,
           is_causal: bool) -> bool:
-    """Whether `grouped_attention` folds this call (4-D query, key and value): a 4-D mask
-    shared by all heads, no causal flag, and fewer elements written than K/V copies would
-    write (the output, the queries when they are not contiguous, and the mask repeated per
-    group when it has a row per query)."""
+    """Whether folding this call (4-D query, key and value) is exact and writes fewer elements
+    than K/V copies would: a 4-D mask shared by all heads, no causal flag, and the output, the
+    queries when they are not contiguous and the mask repeated per group when it has a row per
+    query together smaller than the copies."""
     if attn_mask is None or is_causal or attn_mask.dim() != 4 or attn_mask.shape[1] != 1:
         return False
     batch, heads, queries, _ = query.shape
@@ -86,10 +88,12 @@ def form(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask,
     """How `grouped_attention` runs this call (4-D query, key and value with fewer K/V heads):
     "folded", "copies" or "enable_gqa" (see the module docstring)."""
     device = query.device.type
-    if ((device == "cuda" or (device == "cpu" and query.dtype in _HALF))
+    if device == "cuda":
+        return "folded" if folds(query, key, value, attn_mask, is_causal) else "copies"
+    if (device == "cpu" and query.dtype in _HALF and query.shape[2] == 1
             and folds(query, key, value, attn_mask, is_causal)):
         return "folded"
-    return "copies" if device == "cuda" else "enable_gqa"
+    return "enable_gqa"
 
 
 def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -14,7 +14,7 @@ takes torch's semantics for rows without a key (onnx_export.EXPORT_ATEN).
 """
 from __future__ import annotations
 
-from .ir import ADD_NORMS, check_ir, references
+from .ir import ADD_NORMS, ATTENTION, GROUPED_ATTENTION, check_ir, references
 
 _INDENT = " " * 4
 
@@ -40,8 +40,6 @@ def _arg(value, params: dict[str, str]) -> str:
 
 
 KERNELS = "rbcompile."  # op names of the fused kernels (torch.ops.rbcompile, see kernels/)
-ATTENTION = "aten.scaled_dot_product_attention.default"
-GROUPED_ATTENTION = "grouped_attention"   # rbcompile/attention.py (onnx_export.py for "cond")
 
 
 def _call(op: str, args: list, kwargs: dict, params: dict[str, str]) -> str:

@@ -22,16 +22,18 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PARAM_KEY = re.compile(r"[A-Za-z0-9_.]+")
 _TEXT = re.compile(r"[A-Za-z0-9_.,:+<>()/ -]*")  # strings codegen writes into comments
 _OP = re.compile(r"(aten|prims|rbcompile)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
+ATTENTION = "aten.scaled_dot_product_attention.default"
+# what generated code calls for an attention over grouped K/V heads (rbcompile/attention.py)
+GROUPED_ATTENTION = "grouped_attention"
 RESERVED_NAMES = {"self", "gates", "torch", "aten", "prims", "operator", "math", "RegionCache",
                   "Region", "Unpadded", "run_regions", "rbcompile", "rbcompile_ops",
-                  "grouped_attention"}
+                  GROUPED_ATTENTION}
 OPERATOR_FUNCTIONS = {f"operator.{name}": getattr(operator, name) for name in (
     "getitem", "add", "sub", "mul", "floordiv", "truediv", "mod", "neg", "pow",
     "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "is_")}
 # symbolic-size arithmetic that graphs from torch.compile with dynamic shapes contain
 OPERATOR_FUNCTIONS.update({f"torch.{name}": getattr(torch, name) for name in (
     "sym_sum", "sym_max", "sym_min", "sym_not", "sym_float", "sym_int", "sym_ite")})
-_ATTENTION = "aten.scaled_dot_product_attention.default"
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
@@ -150,7 +152,7 @@ def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names,
         ir["concatenated"] = dict(concatenated)
     if unpadded:
         ir["unpadded"] = dict(unpadded)
-    if any(op == _ATTENTION and kwargs.get("enable_gqa") is True for _, op, _, kwargs, _ in nodes):
+    if any(op == ATTENTION and kwargs.get("enable_gqa") is True for _, op, _, kwargs, _ in nodes):
         ir["grouped_attention"] = True   # codegen: through rbcompile/attention.py, per call
     return ir
 
@@ -311,7 +313,7 @@ def _check_unpadded(ir: dict) -> None:
             if op == "operator.is_" and len(args) == 2 and args[1] is None:
                 tests[name] = args[0]["node"]
                 continue
-            mask = args[3]["node"] if op == _ATTENTION and len(args) > 3 else None
+            mask = args[3]["node"] if op == ATTENTION and len(args) > 3 else None
             flag = kwargs.get("is_causal")
             tested = tests.get(flag["node"]) if isinstance(flag, dict) else None
             if reads != {mask} or (tested != mask if causal else flag is not None):

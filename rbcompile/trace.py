@@ -53,7 +53,7 @@ def _export(model, kwargs, dims: dict, family: str):
 
 
 @contextlib.contextmanager
-def grouped_attention():
+def tracing_grouped_heads():
     """While tracing, transformers' SDPA attention reads grouped K/V heads in place
     (`enable_gqa=True`) instead of through `repeat_kv` copies: the graph the `gqa_attention`
     pass makes of the copies, traced without them (their expand + reshape over dynamic shapes
@@ -76,11 +76,11 @@ def grouped_attention():
 
 
 def export_or_retry(export, what: str):
-    """`export(dims)` (under `grouped_attention`) with named dimensions first; where an older
+    """`export(dims)` (under `tracing_grouped_heads`) with named dimensions first; where an older
     torch finds a narrower valid range than that (torch 2.11 on some decoders: "Constraints
     violated (seq)"), `Dim.DYNAMIC` lets export refine the range instead of failing, and the
     runtime's own input checks stay in force. Any other failure is a one-line CompileError."""
-    with grouped_attention():
+    with tracing_grouped_heads():
         return _export_or_retry(export, what)
 
 

@@ -63,13 +63,45 @@ def test_every_form_equals_attention_over_repeated_heads(shape, dtype, forms):
     want = _reference(query, key, value, mask)
     got = grouped_attention(query, key, value, mask)
     torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=0)
-    # on CPU: folded in 16-bit where folding moves less than copies would, else enable_gqa
-    folded = dtype is torch.bfloat16 and folds(query, key, value, mask, False)
+    # on CPU: a single query folded in 16-bit, else enable_gqa
+    folded = dtype is torch.bfloat16 and query.shape[2] == 1
     assert forms(query.shape[1]) == ["folded" if folded else "enable_gqa"]
     for name, compute in FORMS.items():   # each form, whichever the device would take
         torch.testing.assert_close(compute(query, key, value, mask, 0.0, False, None), want,
                                    atol=TOLERANCE[dtype], rtol=0)
     assert forms(query.shape[1]) == list(FORMS)
+
+
+MASKS = {  # how the mask of a call with 2 rows of 5 queries over 11 keys may come
+    "additive": lambda: torch.zeros(2, 1, 5, 11).masked_fill(torch.arange(11) < 3, float("-inf")),
+    "bool": lambda: torch.arange(11) >= torch.tensor([[3], [0]]).view(2, 1, 1, 1),
+    "one row for the batch": lambda: torch.zeros(1, 1, 5, 11).masked_fill(torch.arange(11) > 8,
+                                                                          float("-inf")),
+    "one row for the queries": lambda: torch.zeros(2, 1, 1, 11).masked_fill(torch.arange(11) < 2,
+                                                                            float("-inf")),
+    "one column for the keys": lambda: torch.zeros(2, 1, 5, 1),
+    "a fully masked row": lambda: torch.zeros(2, 1, 5, 11).index_fill(2, torch.tensor([1]),
+                                                                      float("-inf")),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mask_kind", MASKS)
+@pytest.mark.parametrize("value_dim, scale", [(16, None), (24, 0.3)], ids=["plain", "wide-v-scaled"])
+def test_folded_queries_equal_sdpa_for_every_mask_they_take(mask_kind, value_dim, scale, dtype):
+    """Folding is exact for each mask shape a call may bring (bool or additive, broadcast over
+    the batch, the queries or the keys, a row with no key), a value wider than the key and an
+    explicit scale: the same values as SDPA's own grouped heads, NaN where it gives NaN."""
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 5, 6, 16, generator=generator).to(dtype).transpose(1, 2)
+    key = torch.randn(2, 2, 11, 16, generator=generator).to(dtype)
+    value = torch.randn(2, 2, 11, value_dim, generator=generator).to(dtype)
+    mask = MASKS[mask_kind]()
+    mask = mask if mask.dtype is torch.bool else mask.to(dtype)
+    want = F.scaled_dot_product_attention(query, key, value, mask, scale=scale, enable_gqa=True)
+    got = FORMS["folded"](query, key, value, mask, 0.0, False, scale)
+    torch.testing.assert_close(got, want, atol=TOLERANCE[dtype], rtol=0, equal_nan=True)
+    assert got.shape == want.shape == (2, 6, 5, value_dim)
 
 
 def test_folding_is_chosen_by_what_it_moves():
@@ -128,6 +160,13 @@ def test_each_device_takes_its_form():
     assert taken["cpu", torch.bfloat16, "decode"] == "folded"
     assert {taken["cpu", torch.float32, "decode"], taken["cpu", torch.bfloat16, "prefill"],
             taken["cpu", torch.bfloat16, "no mask"]} == {"enable_gqa"}
+    with FakeTensorMode():   # a verify step (5 queries) folds on CUDA, not on CPU
+        for device in ("cuda", "cpu"):
+            query = torch.empty(1, 9, 5, 16, device=device, dtype=torch.bfloat16)
+            key = torch.empty(1, 3, 512, 16, device=device, dtype=torch.bfloat16)
+            mask = torch.empty(1, 1, 5, 512, device=device, dtype=torch.bfloat16)
+            taken[device, "verify"] = form(query, key, key, mask, False)
+    assert (taken["cuda", "verify"], taken["cpu", "verify"]) == ("folded", "enable_gqa")
 
 
 def test_as_many_query_heads_as_kv_heads_is_plain_attention():

@@ -170,7 +170,7 @@ def _grouped_reads(gm) -> list:
 
 def test_grouped_kv_heads_are_read_in_place_traced_or_rewritten(monkeypatch):
     """A GQA Llama (4 query heads on 2 K/V heads): rbcompile's trace has every attention read
-    the grouped K/V with enable_gqa (transformers' switch, `grouped_attention`), so
+    the grouped K/V with enable_gqa (transformers' switch, `tracing_grouped_heads`), so
     `gqa_attention` finds no repeat_kv copy; traced without that switch (as dynamo's graphs
     are) the copies are there and the pass rewrites each of them (torch 2.11 traces them with
     a slice over a whole dimension more, which the pass missed). Both graphs compute the same
@@ -201,7 +201,7 @@ def test_grouped_kv_heads_are_read_in_place_traced_or_rewritten(monkeypatch):
 
     grouped, rewritten, outputs = traced_and_rewritten()
     assert grouped == [True] * layers and rewritten == 0
-    monkeypatch.setattr(trace_module, "grouped_attention", contextlib.nullcontext)
+    monkeypatch.setattr(trace_module, "tracing_grouped_heads", contextlib.nullcontext)
     grouped, rewritten, copied_then_rewritten = traced_and_rewritten()
     assert grouped == [False] * layers and rewritten == layers
     for got, want in zip(tree_leaves(outputs), tree_leaves(copied_then_rewritten), strict=True):
@@ -223,8 +223,8 @@ def test_grouped_kv_heads_are_read_in_place_on_cuda_too(monkeypatch):
 
     model = make_tiny_model("llama")
     architecture = lookup(model.config)
-    grouped_attention = trace_module.grouped_attention
-    monkeypatch.setattr(trace_module, "grouped_attention", contextlib.nullcontext)
+    tracing_grouped_heads = trace_module.tracing_grouped_heads
+    monkeypatch.setattr(trace_module, "tracing_grouped_heads", contextlib.nullcontext)
     traced = trace(model, architecture)   # with the copies, as transformers makes them on CUDA
     ctx = PassContext(family=architecture.family, input_names=traced.input_names,
                       reference_inputs=example_inputs(architecture, model.config.vocab_size))
@@ -241,7 +241,7 @@ def test_grouped_kv_heads_are_read_in_place_on_cuda_too(monkeypatch):
         key = torch.empty(1, 2, 5, 8, device="cuda")
         mask = torch.empty(1, 1, 1, 5, device="cuda")
         assert not sdpa_attention.use_gqa_in_sdpa(mask, key, key)   # transformers' own choice
-        with grouped_attention():
+        with tracing_grouped_heads():
             assert sdpa_attention.use_gqa_in_sdpa(mask, key, key)
         assert not sdpa_attention.use_gqa_in_sdpa(mask, key, key)
 
