@@ -21,7 +21,7 @@ three forms (`FORMS`):
 Where each form runs (`form`): CUDA folds where `folds` says, and copies otherwise. CPU folds a
 single query in 16-bit floats, where its fused kernel packs K/V per query head and folding is
 about 4-9x faster for a decode step (benchmarks/bench_gqa.py); with more queries, or in fp32, it
-takes `enable_gqa`, as fast as folding or faster. Any other device takes `enable_gqa`.
+takes `enable_gqa`, about as fast as folding (within ~10% either way). Any other device takes `enable_gqa`.
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     that suits this call and device (`form`)."""
     if query.dim() != 4:
         return _enable_gqa(query, key, value, attn_mask, dropout_p, is_causal, scale)
-    if query.shape[1] == key.shape[1]:   # e.g. a width variant with one query head per K/V head
+    if query.shape[1] == key.shape[1]:   # as many query heads as K/V heads: plain attention
         return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
     return FORMS[form(query, key, value, attn_mask, is_causal)](
         query, key, value, attn_mask, dropout_p, is_causal, scale)
