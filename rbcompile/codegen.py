@@ -14,7 +14,7 @@ takes torch's semantics for rows without a key (onnx_export.EXPORT_ATEN).
 """
 from __future__ import annotations
 
-from .ir import ADD_NORMS, ATTENTION, GROUPED_ATTENTION, check_ir, references
+from .ir import ADD_NORMS, GROUPED_ATTENTION, check_ir, reads_grouped_heads, references
 
 _INDENT = " " * 4
 
@@ -56,7 +56,7 @@ def _route_grouped_attention(ir: dict) -> dict:
     def routed(nodes):
         return [[name, GROUPED_ATTENTION, args,
                  {key: value for key, value in kwargs.items() if key != "enable_gqa"}, region]
-                if op == ATTENTION and kwargs.get("enable_gqa") is True
+                if reads_grouped_heads(op, kwargs)
                 else [name, op, args, kwargs, region] for name, op, args, kwargs, region in nodes]
 
     return {**ir, "nodes": routed(ir["nodes"]),

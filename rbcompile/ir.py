@@ -43,6 +43,11 @@ MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format,
                   "channels_last": torch.channels_last}
 
 
+def reads_grouped_heads(op: str, kwargs: dict) -> bool:
+    """Whether an IR node is attention over grouped K/V heads (SDPA with `enable_gqa=True`)."""
+    return op == ATTENTION and kwargs.get("enable_gqa") is True
+
+
 def op_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         namespace, rest = target.name().split("::")
@@ -152,7 +157,7 @@ def build_ir(gm: GraphModule, regions: list[dict], input_names, output_names,
         ir["concatenated"] = dict(concatenated)
     if unpadded:
         ir["unpadded"] = dict(unpadded)
-    if any(op == ATTENTION and kwargs.get("enable_gqa") is True for _, op, _, kwargs, _ in nodes):
+    if any(reads_grouped_heads(op, kwargs) for _, op, _, kwargs, _ in nodes):
         ir["grouped_attention"] = True   # codegen: through rbcompile/attention.py, per call
     return ir
 
