@@ -2,7 +2,7 @@
 
     import rbcompile
     model = rbcompile.compile("minilm-l6")          # a bundled name, a checkpoint folder or a model
-    out = model(input_ids, attention_mask, budget=0.25)
+    out = model(input_ids, attention_mask, budget=0.25)   # within model.guard (rbcompile.QualityGuard)
     model.save("build/minilm")
     model = rbcompile.load("build/minilm")
 
@@ -17,11 +17,12 @@ from .errors import CompileError, UserError  # noqa: E402
 
 _LAZY = {"CompiledModel": ("compiled", "CompiledModel"),
          "CompiledOutput": ("compiled", "CompiledOutput"),
-         "load": ("compiled", "load"),
+         "load": ("loading", "load"),
+         "QualityGuard": ("guard", "QualityGuard"),
          "compile": ("compiler", "compile_model")}
 
-__all__ = ["CompileError", "CompiledModel", "CompiledOutput", "UserError", "compile", "load",
-           "__version__"]
+__all__ = ["CompileError", "CompiledModel", "CompiledOutput", "QualityGuard", "UserError",
+           "compile", "load", "__version__"]
 
 
 def __getattr__(name: str):

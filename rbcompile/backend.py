@@ -38,6 +38,7 @@ from .errors import CompileError, first_line
 from .ir import RESERVED_NAMES
 from .passes import PassContext, run_pipeline
 from .passes.base import module_stack
+from .guard import DEFAULT_MAX_QUALITY_LOSS, QualityGuard, guard_budget
 from .plans import check_budget, plan_for_budget, skipped_share
 
 logger = logging.getLogger("rbcompile.backend")
@@ -57,6 +58,14 @@ class BackendOptions:
     cuda_graphs: bool = False    # CUDA inputs: one CUDA graph per (plan, shapes); see cuda_graphs.py
     max_graphs: int = 16         # bound on the CUDA graphs (and plan graphs) of one graph
     capture: Callable | None = None  # replaces the CUDA capture (tests: a fake one, CPU inputs too)
+    # the quality guard (rbcompile/guard.py): a graph compiled here has no measured plans, so
+    # a lossy budget runs only with allow_unmeasured_plans; otherwise the full path, warned once
+    max_quality_loss: float = DEFAULT_MAX_QUALITY_LOSS
+    allow_unmeasured_plans: bool = False
+
+    @property
+    def guard(self) -> QualityGuard:
+        return QualityGuard(self.max_quality_loss, self.allow_unmeasured_plans)
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
@@ -68,6 +77,7 @@ class BackendOptions:
         parsed = cls(**options)
         if parsed.budget is not None:
             check_budget(parsed.budget)
+        parsed.guard  # noqa: B018 - a ValueError for a bad max_quality_loss
         if parsed.regions not in REGION_COMPILERS:
             raise ValueError(f"option regions must be one of {REGION_COMPILERS}, "
                              f"got {parsed.regions!r}")
@@ -306,6 +316,7 @@ class _Runner:
                  writes: InputWrites):
         self.module, self.positions, self.record = module, positions, record
         self.options, self.plans, self.writes = options, plans, writes
+        self.warned = False   # a withheld budget is logged once per graph
         self.graphs = None
         if options.cuda_graphs:
             module.region_cache.enabled = False
@@ -331,7 +342,12 @@ class _Runner:
             return list(chosen.gates), (list(chosen.widths) if chosen.widths else None)
         if chosen.budget is None:
             return [True] * count, None
-        return plan_for_budget(regions, chosen.budget, self.plans)
+        plan = guard_budget(self.plans, chosen.budget, self.options.guard)
+        if plan.withheld is not None and not self.warned:
+            self.warned = True
+            logger.warning("rbcompile backend: %s (options allow_unmeasured_plans / "
+                        "max_quality_loss)", plan.describe())
+        return plan_for_budget(regions, plan.budget, self.plans)
 
     def __call__(self, *args):
         gates, widths = self._choose()

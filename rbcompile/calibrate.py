@@ -207,6 +207,8 @@ def build_plans(compiled, importance: dict, calib: Evaluator, heldout: Evaluator
 
     trajectory = greedy_trajectory(states, evaluate, max(grid), candidates, report)
     say(f"  greedy search: {len(trajectory) - 1} moves, {steps[0]} measured settings")
+    measured = MeasuredSettings(heldout)
+    full = measured([True] * compiled.num_gates, None)
     plans = []
     for budget in (0.0, *grid):
         saved, choice = max((t for t in trajectory if within_budget(t[0], budget)), key=lambda t: t[0])
@@ -214,12 +216,41 @@ def build_plans(compiled, importance: dict, calib: Evaluator, heldout: Evaluator
         plan = {"budget": budget, "skip_gates": [i for i, g in enumerate(gates) if not g],
                 "widths": {str(g): w for g, w in sorted(choice.items()) if w > 0},
                 "skipped_share": compiled.skipped_share(gates, widths),
-                "heldout": heldout(gates, widths)}
+                "heldout": measured(gates, widths)}
+        plan["quality_loss"] = quality.quality_loss(plan["heldout"], full)
+        if compiled.decoder is not None:
+            plan["decoder_heldout"] = measured(decoder_setting(compiled, gates), None)
+            plan["decoder_quality_loss"] = quality.quality_loss(plan["decoder_heldout"], full)
         plans.append(plan)
+        decoded = (f", decoder {plan['decoder_quality_loss']:.3f}"
+                   if compiled.decoder is not None else "")
         say(f"  plan {budget:.2f}: skips {len(plan['skip_gates'])} regions, narrows "
             f"{len(plan['widths'])} ({plan['skipped_share']:.1%} of prunable FLOPs), held-out "
-            f"loss {plan['heldout']['loss']:.4f}")
+            f"loss {plan['heldout']['loss']:.4f}, quality loss {plan['quality_loss']:.3f}{decoded}")
     return plans
+
+
+class MeasuredSettings:
+    """`evaluator(gates, widths)`, each distinct setting measured once."""
+
+    def __init__(self, evaluator: Evaluator):
+        self.evaluator, self.results = evaluator, {}
+
+    def __call__(self, gates, widths) -> dict:
+        key = (tuple(gates), None if widths is None else tuple(widths))
+        if key not in self.results:
+            self.results[key] = self.evaluator(gates, widths)
+        return self.results[key]
+
+
+def decoder_setting(compiled, gates) -> list[bool]:
+    """Whole-sequence gates that compute what the KV-cached decoder runs of `gates`: the
+    regions it can skip (MLPs) as `gates` say, the others (attention, which writes the cache)
+    on, every width full."""
+    units = compiled.decoder.unit_gates
+    return [bool(gates[region["gate"]]) or region["name"] not in units
+            for region in sorted((r for r in compiled.regions if r["kind"] == "prunable"),
+                                 key=lambda r: r["gate"])]
 
 
 def _width_loss(family: str, model, ids, mask, generator, labels=None, head=None) -> torch.Tensor:

@@ -3,24 +3,24 @@ from __future__ import annotations
 
 import datetime
 import json
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import __version__
 from .atomic import write_folder
-from .codegen import generate_source
 from .cuda_graphs import GraphCache, plan_key
-from .decoder import DECODER_GRAPH, DECODER_SOURCE, STEP_INPUTS, Decoder
-from .kv_cache import DecoderShape
-from .module import attach_weights, compile_regions, instantiate, stored_weights
+from .decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder
+from .module import attach_weights, compile_regions, stored_weights
 from .plan_graphs import PlanGraphs, compile_plans
-from .errors import UserError, first_line
-from .ir import check_ir
+from .errors import UserError
 from .models import copy_tokenizer_files
 from .placement import check_same_dtype, parse_device, parse_dtype
 from .input_complexity import LengthRarityComplexity
 from .offramps import RAMP_FILE, OffRamps
+from .guard import DECODER, FORWARD, GuardedPlan, QualityGuard, guard_budget
 from .plans import check_budget, plan_for_budget, skipped_share, width_shares
 
 from . import manifest as manifests
@@ -30,17 +30,39 @@ from .manifest import CONFIG, GRAPH, MANIFEST, SCHEMA_VERSION, SOURCE, WEIGHTS
 SELF_DRAFT_BUDGET = 0.5  # the light plan `speculate="self"` drafts with
 
 
+class QualityGuardWarning(UserWarning):
+    """A budget asked for a plan the quality guard withheld."""
+
+
 class CompiledOutput(dict):
     """Output tensors by name, plus how they were computed."""
 
     def __init__(self, tensors: dict, *, path: str, gates: list[bool], widths: list[float] | None,
-                 skipped_flops: float, complexity: list[float] | None):
+                 skipped_flops: float, complexity: list[float] | None,
+                 plan: GuardedPlan | None = None):
         super().__init__(tensors)
         self.path = path                    # "full" | "light" | "gates"
         self.gates = gates
         self.widths = widths                # per gate width requested (None: all full width)
         self.skipped_flops = skipped_flops  # fraction of prunable FLOPs skipped
         self.complexity = complexity
+        self.plan = plan                    # what a budget ran under the quality guard
+
+
+@dataclass(frozen=True)
+class GateChoice:
+    """The gates and widths a call runs, how they were chosen ("full", "light", "gates"), the
+    inputs' complexity scores (with a complexity threshold) and the guarded plan (a budget)."""
+    gates: list[bool]
+    widths: list[float] | None
+    path: str
+    complexity: list[float] | None = None
+    plan: GuardedPlan | None = None
+
+    def output(self, tensors: dict, skipped_flops: float) -> CompiledOutput:
+        return CompiledOutput(tensors, path=self.path, gates=self.gates, widths=self.widths,
+                              skipped_flops=skipped_flops, complexity=self.complexity,
+                              plan=self.plan)
 
 
 class CompiledModel:
@@ -49,7 +71,9 @@ class CompiledModel:
 
     With a budget, inputs whose complexity score (see runtime/complexity.py) is below
     `complexity_threshold` take the light path of that budget and the rest the full path;
-    with `complexity_threshold=None` the budget applies to every input.
+    with `complexity_threshold=None` the budget applies to every input. Every budget runs
+    under `guard` (rbcompile/guard.py): a plan whose measured quality loss is over
+    `guard.max_quality_loss`, or that was never measured, is withheld (a warning says so).
     """
 
     def __init__(self, module: torch.nn.Module, ir: dict, source: str, manifest: dict, *,
@@ -78,6 +102,7 @@ class CompiledModel:
         self.complexity = LengthRarityComplexity(self.vocab_size)
         self.complexity_threshold: float | None = None
         self.plans: list[dict] | None = manifest.get("plans")
+        self.guard = QualityGuard()
         self.width_shares = width_shares(ir.get("variants", []))
         self.offramps: OffRamps | None = None  # encoders calibrated with a task head
         self.dtype = getattr(torch, arch.get("dtype", "float32"))  # the precision it was traced in
@@ -201,8 +226,9 @@ class CompiledModel:
         device = self.device
         return input_ids.to(device, torch.long), attention_mask.to(device, torch.long), unpadded
 
-    def choose_gates(self, input_ids, attention_mask, budget=None, gates=None, widths=None):
-        """(gates, widths, path, complexity) for a batch."""
+    def choose_gates(self, input_ids, attention_mask, budget=None, gates=None,
+                     widths=None) -> GateChoice:
+        """What a batch runs: explicit `gates` / `widths`, or the guarded plan of `budget`."""
         if widths is not None:
             widths = [float(w) for w in (widths.tolist() if isinstance(widths, torch.Tensor) else widths)]
             if len(widths) != self.num_gates or not all(0 < w <= 1 for w in widths):
@@ -211,32 +237,31 @@ class CompiledModel:
             gates = [bool(g) for g in (gates.tolist() if isinstance(gates, torch.Tensor) else gates)]
             if len(gates) != self.num_gates:
                 raise UserError(f"expected {self.num_gates} gates, got {len(gates)}")
-            return gates, widths, "gates", None
+            return GateChoice(gates, widths, "gates")
         full = [True] * self.num_gates
         if budget is None:
-            return full, widths, ("full" if widths is None else "gates"), None
+            return GateChoice(full, widths, "full" if widths is None else "gates")
         budget = check_budget(budget)
         scores = None
         if self.complexity_threshold is not None:
             scores = self.complexity(input_ids, attention_mask).tolist()
             if max(scores) >= self.complexity_threshold:
-                return full, None, "full", scores
-        gates, widths = self.plan_for_budget(budget)
-        return gates, widths, "light", scores
+                return GateChoice(full, None, "full", scores)
+        plan = self.guarded(budget)
+        gates, widths = self.plan_for_budget(plan.budget)
+        return GateChoice(gates, widths, "light" if plan.lossy else "full", scores, plan)
 
     @torch.no_grad()
     def __call__(self, input_ids, attention_mask=None, *, budget=None, gates=None,
                  widths=None) -> CompiledOutput:
         input_ids, attention_mask, unpadded = self._check_inputs(input_ids, attention_mask)
-        gates, widths, path, scores = self.choose_gates(input_ids, attention_mask, budget, gates,
-                                                        widths)
+        chosen = self.choose_gates(input_ids, attention_mask, budget, gates, widths)
+        gates, widths = chosen.gates, chosen.widths
         if self.cuda_graphs is not None:
             outputs = self._run_graphs(input_ids, attention_mask, gates, widths, unpadded)
         else:
             outputs = self.module(input_ids, None if unpadded else attention_mask, gates, widths)
-        return CompiledOutput(dict(zip(self.output_names, outputs)), path=path, gates=gates,
-                              widths=widths, skipped_flops=self.skipped_share(gates, widths),
-                              complexity=scores)
+        return chosen.output(dict(zip(self.output_names, outputs)), self.skipped_share(gates, widths))
 
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
@@ -250,7 +275,7 @@ class CompiledModel:
         as tokens are accepted (its `.result()` afterwards).
 
         `budget` runs the MLPs of that budget's plan (attention always runs: it writes the
-        cache). `speculate`: "off", "ngram" (prompt lookup), "self" (drafts from the light path
+        cache), under `guard` (its decoder's measured loss). `speculate`: "off", "ngram" (prompt lookup), "self" (drafts from the light path
         of `draft_budget`, verified by the full path), "auto" (picks per request from live
         acceptance, off when drafting does not pay). `draft_budget` defaults to the plan
         calibration chose (`decoder.draft`; "auto" leaves self-drafting out when calibration
@@ -282,7 +307,7 @@ class CompiledModel:
                                   speculate=speculate, stream=stream,
                                   max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                   budget=budget)
-        gates = self.decoder_gates(budget)
+        gates = self.guarded_decoder_gates(budget)
         draft = None
         if draft_budget is None and self.decoder.draft is not None:
             draft_budget = self.decoder.draft["budget"]
@@ -321,6 +346,19 @@ class CompiledModel:
     def plan_for_budget(self, budget: float) -> tuple[list[bool], list[float] | None]:
         return plan_for_budget(self.regions, budget, self.plans)
 
+    def guarded(self, budget: float | None, path: str = FORWARD) -> GuardedPlan:
+        """The plan `budget` runs under `guard` on the whole-sequence graph (FORWARD) or the
+        KV-cached decoder (DECODER); a withheld plan is warned about."""
+        plan = guard_budget(self.plans, budget, self.guard, path)
+        if plan.withheld is not None:
+            warnings.warn(f"rbcompile: {plan.describe()} (quality guard: max_quality_loss "
+                          f"{self.guard.max_quality_loss:g})", QualityGuardWarning, stacklevel=3)
+        return plan
+
+    def guarded_decoder_gates(self, budget: float | None) -> list[bool] | None:
+        """`decoder_gates` of the plan `budget` runs under `guard`."""
+        return self.decoder_gates(self.guarded(budget, DECODER).budget)
+
     def gates_for_budget(self, budget: float) -> list[bool]:
         return self.plan_for_budget(budget)[0]
 
@@ -342,7 +380,8 @@ class CompiledModel:
         decode = self.tokenizer.decode if self.tokenizer_dir is not None else None
         options.setdefault("batch_buckets", self.decoder.graphs is not None)
         options.setdefault("unpadded_prefill", self.decoder.unpadded_prefill)
-        return BatchEngine(self.decoder, self.decoder.shape, gates_for_budget=self.decoder_gates,
+        return BatchEngine(self.decoder, self.decoder.shape,
+                           gates_for_budget=self.guarded_decoder_gates,
                            eos_token_ids=() if eos is None else eos, decode=decode,
                            max_batch=max_batch, release_cache=self.decoder.forget_cache,
                            **options)
@@ -416,92 +455,6 @@ class CompiledModel:
         self.manifest = manifest
         self.tokenizer_dir = out_dir if tokenizer_files else None
         return out_dir
-
-
-def load(path, device=None, dtype=None) -> CompiledModel:
-    """Load an artifact onto `device` (default cpu). Every file is checked against the sha256
-    the manifest lists, and the manifest against its schema (rbcompile/manifest.py); the module
-    is regenerated from graph.json (checked against an op allow-list) and must match the stored
-    model.py; weights come from safetensors only. `dtype`, if given, must be the dtype the
-    artifact was compiled in."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    device = parse_device(device) or torch.device("cpu")
-    requested_dtype = parse_dtype(dtype)
-    manifest = manifests.read(path)
-    manifests.verify_files(path, manifest)
-    check_same_dtype(getattr(torch, manifest.get("architecture", {}).get("dtype", "float32")),
-                     requested_dtype)
-    files = manifest["files"]
-    ir, source = _read_graph(path, GRAPH, SOURCE)
-    try:
-        tensors = load_file(str(path / WEIGHTS), device=str(device))
-    except FileNotFoundError:
-        raise UserError(f"{path}: missing {WEIGHTS}") from None
-    except Exception as exc:
-        raise UserError(f"corrupt safetensors file {path / WEIGHTS}: "
-                        f"{first_line(exc)}") from None
-    module = instantiate(source, str(path))
-    attach_weights([module], tensors)
-    if (len(manifest["regions"]) != len(ir["regions"])
-            or sum(r["kind"] == "prunable" for r in manifest["regions"]) != module.NUM_GATES):
-        raise UserError(f"{path / MANIFEST}: invalid manifest: its regions do not match {GRAPH}")
-    try:
-        hf_config = json.loads((path / CONFIG).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        hf_config = {}
-    tokenizer_dir = path if files.get("tokenizer") else None
-    decoder = None
-    if "decoder" in manifest:
-        decoder_ir, decoder_source = _read_graph(path, DECODER_GRAPH, DECODER_SOURCE)
-        if tuple(decoder_ir["inputs"][:len(STEP_INPUTS)]) != STEP_INPUTS:
-            raise UserError(f"{path}: its decoder was built by an older rbcompile (step inputs "
-                            f"{', '.join(decoder_ir['inputs'][:4])}, ...); compile it again")
-        decoder_module = instantiate(decoder_source, f"{path} decoder")
-        attach_weights([module, decoder_module], tensors)  # (it reads views of its stacks)
-        decoder = Decoder(decoder_module, decoder_ir, decoder_source,
-                          DecoderShape(**manifest["decoder"]["shape"]),
-                          manifest["decoder"].get("draft"))
-    compiled = CompiledModel(module, ir, source, manifest, tokenizer_dir=tokenizer_dir,
-                             hf_config=hf_config, decoder=decoder)
-    if "offramps" in manifest:
-        compiled.offramps = _load_offramps(path, manifest["offramps"]).to(device)
-    return compiled
-
-
-def _read_graph(path: Path, graph_name: str, source_name: str) -> tuple[dict, str]:
-    """(IR, source) of one generated module: the IR checked against the op allow-list, the
-    source regenerated from it and compared with the stored file."""
-    try:
-        graph_bytes = (path / graph_name).read_bytes()
-        stored_source = (path / source_name).read_text()
-    except (FileNotFoundError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read artifact file ({exc.__class__.__name__}: "
-                        f"{getattr(exc, 'filename', None) or exc})") from None
-    try:
-        ir = json.loads(graph_bytes)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path / graph_name}: corrupt JSON ({exc})") from None
-    if not isinstance(ir, dict):
-        raise UserError(f"{path / graph_name}: expected a JSON object")
-    check_ir(ir)
-    source = generate_source(ir)
-    if source != stored_source:
-        raise UserError(f"{path / source_name}: does not match the code regenerated from "
-                        f"{graph_name} (edited, or written by another rbcompile version)")
-    return ir, source
-
-
-def _load_offramps(path: Path, spec: dict) -> OffRamps:
-    from safetensors.torch import load_file
-
-    try:
-        return OffRamps.from_tensors(load_file(str(path / RAMP_FILE)), [int(x) for x in spec["layers"]],
-                                     float(spec["threshold"]))
-    except Exception as exc:
-        raise UserError(f"{path / RAMP_FILE}: cannot load off-ramps "
-                        f"({first_line(exc)})") from None
 
 
 def _padded(tensor: torch.Tensor, batch: int, seq: int, filler: int = 0) -> torch.Tensor:

@@ -77,6 +77,7 @@ class EngineRequest:
     first_logits: torch.Tensor | None = None  # [vocab]: what its first token was drawn from
     drafted: int = 0                # draft tokens verified (with `speculate`)
     accepted: int = 0               # of those, kept
+    budget_run: float = 0.0         # the largest budget any forward it took part in ran
 
     @property
     def tokens(self) -> list[int]:
@@ -397,10 +398,10 @@ class BatchEngine:
         if rows.stop > active:  # idle rows: finite positions (their mask is all ones)
             positions[active:] = 0
         offsets = cache.slots[:width]
-        logits = self.step_fn(torch.tensor(ids, device=device), cache.attention_mask(rows),
-                              positions[:, None] + offsets,
-                              cache.slots[cache.length:cache.length + width],
-                              offsets, cache.views(rows), gates=self._gates(self.running))[:active]
+        inputs = (torch.tensor(ids, device=device), cache.attention_mask(rows),
+                  positions[:, None] + offsets, cache.slots[cache.length:cache.length + width],
+                  offsets, cache.views(rows))
+        logits = self._checked_step(inputs, self._budget(self.running))
         emitted = self._verify(logits, drafts)
         cache.advance_rows([len(tokens) - 1 for tokens in emitted], width)
         self.stats.decode_steps += 1
@@ -455,9 +456,31 @@ class BatchEngine:
 
     def _gates(self, requests: list[EngineRequest]):
         """The gates of the smallest budget among `requests` (the running rows, or a group), one
-        without a budget of its own taking the engine's (None, the full path, beats any)."""
+        without a budget of its own taking the engine's (None, the full path, beats any); each
+        request notes the budget it ran."""
+        return self.gates_for_budget(self._budget(requests))
+
+    def _budget(self, requests: list[EngineRequest]) -> float | None:
+        """The smallest budget among `requests` (see `_gates`); each notes it in `budget_run`."""
         budgets = [self.budget if request.budget is None else request.budget for request in requests]
-        return self.gates_for_budget(None if None in budgets else min(budgets))
+        budget = None if None in budgets else min(budgets)
+        for request in requests:
+            request.budget_run = max(request.budget_run, budget or 0.0)
+        return budget
+
+    def _checked_step(self, inputs: tuple, budget: float | None) -> torch.Tensor:
+        """The decode step's logits under the plan of `budget`. When the controller asks for a
+        quality check of a light step, the full path runs the same step first and the
+        controller hears how many rows' top-1 tokens agree; the light step runs second, so the
+        cache holds its K/V, as if it had run alone."""
+        active, gates = len(self.running), self.gates_for_budget(budget)
+        if gates is None or all(gates) or self.controller is None or \
+                not self.controller.check_due():
+            return self.step_fn(*inputs, gates=gates)[:active]
+        full = self.step_fn(*inputs, gates=None)[:active, 0].argmax(-1)
+        logits = self.step_fn(*inputs, gates=gates)[:active]
+        self.controller.checked(budget, int((logits[:, 0].argmax(-1) == full).sum()), active)
+        return logits
 
     def _emit(self, request: EngineRequest, token: int) -> None:
         request.row.tokens.append(token)

@@ -159,6 +159,9 @@ def validate(manifest: dict, where) -> None:
                 str(g).isdigit() and int(g) < len(gates) and _number(w) and 0 < w <= 1
                 for g, w in widths.items()):
             _fail(where, f"plan {plan['budget']}: widths must map gates to values in (0, 1]")
+        for key in ("quality_loss", "decoder_quality_loss"):  # absent or null: unmeasured
+            if plan.get(key) is not None and not (_number(plan[key]) and plan[key] >= 0):
+                _fail(where, f"plan {plan['budget']}: {key} must be null or a number >= 0")
     if not any(plan["budget"] == 0 for plan in plans):
         _fail(where, "plans must include budget 0 (the full path)")
 

@@ -380,7 +380,6 @@ class OnnxRunner:
         import numpy as np
         import torch
 
-        from .compiled import CompiledOutput
         from .errors import UserError
 
         compiled = self.compiled
@@ -388,19 +387,17 @@ class OnnxRunner:
         if self.fixed_shape and tuple(input_ids.shape) != self.fixed_shape:
             raise UserError(f"{self.path} takes inputs of the fixed shape {list(self.fixed_shape)}"
                             f", got {list(input_ids.shape)}; export it without --no-dynamic-axes")
-        gates, widths, path, scores = compiled.choose_gates(input_ids, attention_mask, budget,
-                                                            gates)
+        chosen = compiled.choose_gates(input_ids, attention_mask, budget, gates)
+        gates, widths = chosen.gates, chosen.widths
         if widths != self.widths:
             raise UserError(f"{self.path} bakes the widths {self.widths} but this input asks for "
                             f"{widths}; export it with the --budget you run")
         outputs = self.session.run(None, {"input_ids": input_ids.numpy(),
                                           "attention_mask": attention_mask.numpy(),
                                           "gates": np.array(gates)})
-        return CompiledOutput({name: torch.from_numpy(value)
-                               for name, value in zip(compiled.output_names, outputs)},
-                              path=path, gates=gates, widths=widths,
-                              skipped_flops=compiled.skipped_share(gates, widths),
-                              complexity=scores)
+        return chosen.output({name: torch.from_numpy(value)
+                              for name, value in zip(compiled.output_names, outputs)},
+                             compiled.skipped_share(gates, widths))
 
 
 @contextmanager

@@ -104,3 +104,20 @@ def summarise(family: str, parts: list[dict], task: bool = False) -> dict:
         return {"loss": loss, "perplexity": float(torch.tensor(loss).exp()),
                 "top1_agreement": agreement}
     return {"loss": loss, "accuracy" if task else "cosine": agreement}
+
+
+def quality_loss(measured: dict, full: dict) -> float:
+    """One number for what a plan costs against the full path (>= 0; the guard's unit, see
+    rbcompile/guard.py), from two `summarise` results on the same data. Decoders: the larger of
+    the share of next tokens that change (1 - top-1 agreement) and the relative rise in
+    perplexity. Classifiers without labels: 1 - top-1 agreement. With labels: the accuracy
+    lost. Headless encoders: 1 - cosine to the full path's embeddings."""
+    if "top1_agreement" in measured:
+        loss = 1.0 - measured["top1_agreement"]
+        if "perplexity" in measured:
+            loss = max(loss, measured["perplexity"] / full["perplexity"] - 1.0)
+    elif "accuracy" in measured:
+        loss = full["accuracy"] - measured["accuracy"]
+    else:
+        loss = full["cosine"] - measured["cosine"]
+    return max(0.0, float(loss))

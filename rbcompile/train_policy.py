@@ -51,7 +51,8 @@ import torch
 from . import quality
 from .calibration_data import load_texts, paragraphs
 from .atomic import check_replaceable, write_folder
-from .compiled import load
+from .guard import UNGUARDED
+from .loading import load
 from .engine import EngineRequest
 from .errors import UserError
 from .progress import say, step
@@ -403,6 +404,7 @@ def train_policy(artifact, workload_path, output, *, classifier=None, slo_ms: fl
     check_replaceable(output, policy_files, POLICY_KIND)  # before minutes of work
     texts = read_workload(workload_path)
     compiled = load(artifact)
+    compiled.guard = UNGUARDED   # it measures every plan; serving clamps what the policy picks
     is_decoder = compiled.family == "decoder" and compiled.decoder is not None
     if simulator == "decode-step" and not is_decoder:
         raise UserError("--simulator decode-step needs a decoder artifact with a KV-cached "
