@@ -85,6 +85,18 @@ def _levels(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _guard_options(parser) -> None:
+    from .guard import DEFAULT_MAX_QUALITY_LOSS
+    parser.add_argument("--max-quality-loss", type=float, default=DEFAULT_MAX_QUALITY_LOSS,
+                        help="the most quality a budget may cost: plans whose measured loss on "
+                        "held-out text (decoders: share of next tokens changed, or perplexity "
+                        f"rise) is over it are withheld (default {DEFAULT_MAX_QUALITY_LOSS:g})")
+    parser.add_argument("--allow-unmeasured-plans", action="store_true",
+                        help="let budgets run plans with no measured quality cost (an "
+                        "uncalibrated artifact's fixed skip order); without it they run the "
+                        "full path")
+
+
 def _placement_options(parser, device_help: str, dtype_help: str) -> None:
     parser.add_argument("--device", help=device_help + ": cpu, cuda, cuda:N")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help=dtype_help)
@@ -121,6 +133,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="headless encoders: a linear classifier head (safetensors: weight, "
                    "bias); with labelled JSONL calibration data, calibrate on its task loss (a "
                    "classifier checkpoint calibrates on its own head)")
+    p.add_argument("--calib-budgets", type=_levels, default=None,
+                   help="with --calib: the budgets to make and measure plans for, comma-"
+                   "separated (default 0.05,0.1,...,0.5; a short grid searches less)")
     p.add_argument("--width-levels", type=_levels, default="0.75,0.5",
                    help="with --calib: narrower widths each region may run at (default 0.75,0.5)")
     p.add_argument("--width-floor", type=float, default=0.5,
@@ -169,6 +184,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    "A-E), regex:PATTERN (its first group, else the match)")
     _placement_options(p, "run on this device (default cpu)",
                        "must be the dtype the artifact was compiled in (a check)")
+    _guard_options(p)
     p.add_argument("--engine", choices=("torch", "onnxruntime"), default="torch",
                    help="torch (default): the generated PyTorch module; onnxruntime: its ONNX "
                    "export, fed the same gates as the graph input `gates`")
@@ -252,6 +268,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ms", type=float, default=100.0, help="decode-step (inter-token) latency "
                    "objective of the pid policy (default 100)")
     p.add_argument("--policy-file", metavar="DIR", help="ppo: a folder written by train-policy")
+    _guard_options(p)
+    p.add_argument("--quality-check-every", type=int, default=16, metavar="N",
+                   help="decoders: run the full path beside one light decode step in N and "
+                   "withhold a plan whose live agreement falls under the guard (default 16; "
+                   "0: no checks)")
     _placement_options(p, "serve on this device (default cpu)",
                        "must be the dtype the artifact was compiled in (a check)")
     p.add_argument("--compile-plans", action="store_true", help="run the model and the decoder "
@@ -296,7 +317,8 @@ def _cmd_compile(args) -> None:
     model = rbcompile.compile(args.model, dump_pass=args.dump_pass, calib=args.calib,
                               calib_samples=args.calib_samples, calib_seq=args.calib_seq,
                               width_levels=args.width_levels, width_floor=args.width_floor,
-                              calib_head=args.calib_head, kernels=args.kernels,
+                              calib_head=args.calib_head, calib_budgets=args.calib_budgets,
+                              kernels=args.kernels,
                               device=args.device, dtype=args.dtype,
                               stack_projections=args.stack_projections)
     if args.verbose:
@@ -370,12 +392,26 @@ def _cmd_inspect(args) -> None:
             chosen = [r for r in regions if r["kind"] == kind]
             print(f"  {len(chosen)} {kind} regions, {sum(r['flops_share'] for r in chosen):.1%} "
                   "of FLOPs" + (" (--verbose lists them)" if kind == "prunable" else ""))
+    _print_plans(manifest)
     if setting:
         actions = [f"skips {r['name']}" for r in regions if r["id"] in skipped]
         actions += [f"{r['name']} at width {narrowed[r['id']]:g}" for r in regions
                     if r["id"] in narrowed]
         print(f"budget {args.budget}: skips {len(skipped)} regions, narrows {len(narrowed)} = "
               f"{saved:.1%} of prunable FLOPs" + (f" ({', '.join(actions)})" if actions else ""))
+
+
+def _print_plans(manifest: dict) -> None:
+    """Each calibrated plan's skipped share and measured quality loss (the guard reads it)."""
+    from .guard import DECODER, FORWARD, plan_loss
+
+    def loss(plan, key) -> str:
+        value = plan_loss(plan, key)
+        return "unmeasured" if value is None else f"{value:.3f}"
+    for plan in manifest.get("plans") or []:
+        decoder = f", decoder {loss(plan, DECODER)}" if "decoder" in manifest else ""
+        print(f"  plan {plan['budget']:g}: skips {plan.get('skipped_share', 0):.1%} of prunable "
+              f"FLOPs, quality loss {loss(plan, FORWARD)}{decoder}")
 
 
 def _cmd_run(args) -> None:
@@ -394,6 +430,7 @@ def _cmd_run(args) -> None:
     for text in args.text:
         check_unicode(text, "--text")
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
+    _quality_guard(args, model)
     model.complexity_threshold = args.complexity_threshold
     with (nullcontext(model) if args.engine == "torch"
           else onnx_engine(model, args.onnx, args.budget)) as engine:
@@ -423,8 +460,7 @@ def _run_texts(model, engine, args) -> None:
                     break
             completion = tokenizer.decode(ids[0, prompt_len:], skip_special_tokens=True)
             print(f"{text!r} -> {completion!r}")
-            print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs"
-                  + (f", complexity {out.complexity[0]:.2f}" if out.complexity else ""))
+            print(_path_line(out) + (f", complexity {out.complexity[0]:.2f}" if out.complexity else ""))
         return
     lengths = [len(tokenizer(text)["input_ids"]) for text in args.text]
     if max(lengths) > model.max_positions:
@@ -444,7 +480,13 @@ def _run_texts(model, engine, args) -> None:
         for i in range(len(args.text)):
             for j in range(i + 1, len(args.text)):
                 print(f"  cosine(text {i + 1}, text {j + 1}) = {sims[i, j]:.4f}")
-    print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs")
+    print(_path_line(out))
+
+
+def _path_line(out) -> str:
+    """How a forward ran: its path, the FLOPs it skipped, and a budget the guard withheld."""
+    withheld = f"; {out.plan.describe()}" if out.plan and out.plan.withheld else ""
+    return f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs{withheld}"
 
 
 def _print_labels(model, tokenizer, texts, batch, out) -> None:
@@ -461,7 +503,7 @@ def _print_labels(model, tokenizer, texts, batch, out) -> None:
         tagged = " ".join(f"{token}/{model.labels[label]} ({p:.3f})" for token, label, p in
                           zip(tokens, index[i][real].tolist(), best[i][real].tolist()))
         print(f"{text!r}: {tagged}")
-    print(f"  path {out.path}, skipped {out.skipped_flops:.1%} of prunable FLOPs")
+    print(_path_line(out))
 
 
 def _new_tokens(model, prompt_len: int, args) -> int:
@@ -483,6 +525,8 @@ def _new_tokens(model, prompt_len: int, args) -> int:
 
 def _generate_texts(model, args) -> None:
     """Decoders on the torch engine: KV-cached generation, one text at a time."""
+    from .guard import DECODER
+
     sampling = [args.temperature, args.top_k, args.top_p]
     if args.consistency != "off":
         return _vote_texts(model, args)
@@ -500,7 +544,9 @@ def _generate_texts(model, args) -> None:
                    f"({stats.mean_accepted_length:.2f} tokens per step)" if stats.drafted else "")
         print(f"  {stats.new_tokens} tokens in {stats.seconds:.2f} s = "
               f"{stats.tokens_per_second:.1f} tokens/s (KV cache, speculate {args.speculate}"
-              f"{drafted}){'' if not args.budget else f', budget {args.budget:g} (MLPs)'}")
+              f"{drafted})")
+        if args.budget:
+            print(f"  {_plan_line(model, args.budget, DECODER)}")
 
 
 def _vote_texts(model, args) -> None:
@@ -607,6 +653,9 @@ def _cmd_serve(args) -> None:
             raise UserError(f"--{option.replace('_', '-')} must be >= 0, got {getattr(args, option)}")
     if args.prefill_chunk < 0:
         raise UserError(f"--prefill-chunk must be >= 0 (0: never chunk), got {args.prefill_chunk}")
+    if args.quality_check_every < 0:
+        raise UserError(f"--quality-check-every must be >= 0, got {args.quality_check_every}")
+    _guard_from(args)   # a bad --max-quality-loss before anything starts
     if args.ray:
         return _serve_ray(args, api_key)
     if args.replicas is not None or args.ray_address or args.replica_cpus is not None:
@@ -614,19 +663,24 @@ def _cmd_serve(args) -> None:
     try:
         import uvicorn
         from rbcompile.runtime.http import ServeLimits, create_app
+        from rbcompile.runtime.quality_loop import QualityLoopConfig
     except ImportError as exc:
         raise UserError(f"rbcompile serve needs the 'serve' extra ({exc.name} is missing): "
                         "pip install 'rbcompile[serve]'") from None
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
+    _quality_guard(args, model)
     if args.compile_plans:
         model.compile_plans()
     if args.cuda_graphs:
         model.use_cuda_graphs()
-    policy = _serve_policy(args, model)
+    policy = _serve_policy(args, max(_serving_budgets(model), default=0.0))
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
     app = create_app(model, api_key=api_key, limits=limits, max_batch=args.max_batch,
                      prefix_cache_mb=args.prefix_cache_mb, prefill_chunk=args.prefill_chunk or None,
-                     result_cache_mb=args.result_cache_mb, policy=policy, slo_s=args.slo_ms / 1000)
+                     result_cache_mb=args.result_cache_mb, policy=policy, slo_s=args.slo_ms / 1000,
+                     quality_loop=QualityLoopConfig(check_every=args.quality_check_every))
+    print(f"quality guard: max quality loss {args.max_quality_loss:g}; {_guard_leaves(model)}",
+          file=sys.stderr)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     _serve_until_signalled(partial(uvicorn.run, app, host=args.host, port=args.port, log_level="info"))
@@ -649,8 +703,9 @@ def _serve_ray(args, api_key: str | None) -> None:
     serve_on_ray(args, api_key)
 
 
-def _serve_policy(args, model):
-    """The policy `--policy` names (runtime/policy.py, runtime/ppo.py)."""
+def _serve_policy(args, max_budget: float):
+    """The policy `--policy` names (runtime/policy.py, runtime/ppo.py); pid's range ends at
+    `max_budget` (the largest the quality guard allows)."""
     from .errors import UserError
     from .runtime.pid import PIDConfig
     from .runtime.policy import GuardedPolicy, PIDPolicy, StaticPolicy
@@ -662,14 +717,87 @@ def _serve_policy(args, model):
     if args.policy == "static":
         return StaticPolicy(args.budget)
     if args.policy == "pid":
-        most = max((plan["budget"] for plan in model.plans or []), default=1.0)
-        return PIDPolicy(PIDConfig(setpoint=args.slo_ms / 1000, period_s=0.25), max_budget=most)
+        return PIDPolicy(PIDConfig(setpoint=args.slo_ms / 1000, period_s=0.25),
+                         max_budget=max_budget)
     from .runtime.ppo import PPOPolicy
     policy = PPOPolicy.load(args.policy_file)
     if policy.info.get("simulator") != "decode-step":
         raise UserError(f"{args.policy_file}: trained for whole requests (AdaptiveServer); serve "
                         "needs a policy from train-policy --simulator decode-step")
     return GuardedPolicy(policy, StaticPolicy(0.0))
+
+
+def _quality_guard(args, model) -> None:
+    """`model.guard` from --max-quality-loss and --allow-unmeasured-plans; the guard speaks
+    through the command's own lines, not Python warnings. One warning line when unmeasured
+    plans may run; `serve` also says which lossy budgets its guard leaves."""
+    import warnings
+
+    from .compiled import QualityGuardWarning
+    from .guard import DECODER, FORWARD, plan_loss
+
+    model.guard = _guard_from(args)
+    warnings.filterwarnings("ignore", category=QualityGuardWarning)
+    path = DECODER if model.decoder is not None else FORWARD
+    lossy = [plan for plan in model.plans or [] if plan["budget"] > 0]
+    unmeasured = sum(plan_loss(plan, path) is None for plan in lossy)
+    if args.allow_unmeasured_plans and (unmeasured or not lossy):
+        what = f"{unmeasured} of its plans" if lossy else "every lossy budget (uncalibrated)"
+        print(f"rbcompile: warning: --allow-unmeasured-plans: {what} may run with no measured "
+              "quality cost", file=sys.stderr)
+
+
+def _guard_from(args):
+    """The QualityGuard of --max-quality-loss and --allow-unmeasured-plans."""
+    from .errors import UserError
+    from .guard import QualityGuard
+
+    if not args.max_quality_loss >= 0:
+        raise UserError(f"--max-quality-loss must be >= 0, got {args.max_quality_loss}")
+    return QualityGuard(args.max_quality_loss, args.allow_unmeasured_plans)
+
+
+def _guard_leaves(model) -> str:
+    """What a serving guard leaves the controller: the budgets it allows that skip work."""
+    from .guard import DECODER, FORWARD, plan_loss
+
+    path = DECODER if model.decoder is not None else FORWARD
+    lossy = [plan for plan in model.plans or [] if plan["budget"] > 0]
+    unmeasured = sum(plan_loss(plan, path) is None for plan in lossy)
+    allowed = _serving_budgets(model)
+    if allowed and not lossy:
+        return "any lossy budget (unmeasured)"
+    if allowed:
+        return f"lossy budgets {', '.join(f'{b:g}' for b in allowed)}"
+    if not lossy:
+        return "no lossy plan (uncalibrated: none is measured): the full path only"
+    measured = len(lossy) - unmeasured
+    return (f"no lossy plan ({measured} measured: over it or skipping nothing in the decoder, "
+            f"{unmeasured} unmeasured): the full path only")
+
+
+def _serving_budgets(model) -> list[float]:
+    """The budgets > 0 the guard lets a controller set that skip some work where it runs (a
+    decoder's plan that only narrows runs the whole KV-cached decoder)."""
+    from .guard import DECODER, FORWARD, lossy_budgets
+
+    if model.decoder is None:
+        return lossy_budgets(model.plans, model.guard, FORWARD)
+    return [budget for budget in lossy_budgets(model.plans, model.guard, DECODER)
+            if not all(model.decoder_gates(min(budget, 1.0)) or [True])]
+
+
+def _plan_line(model, budget, path: str) -> str:
+    """What `budget` ran under the guard, with the flag that would change it."""
+    from .guard import UNMEASURED
+
+    plan = model.guarded(budget, path)
+    hint = ""
+    if plan.withheld == UNMEASURED:
+        hint = " (compile with --calib to measure plans, or --allow-unmeasured-plans)"
+    elif plan.withheld is not None:
+        hint = f" (--max-quality-loss {model.guard.max_quality_loss:g}; raise it to allow more)"
+    return plan.describe() + hint
 
 
 def _serve_until_signalled(serve) -> None:

@@ -5,9 +5,11 @@ Before an engine step (on the model thread), at most once per `period_s`, `Decod
 builds a `PolicyState`: decode-step latency (the SLO is per step, the inter-token latency every
 running stream feels) p50 / p99 over the last seconds, the queue, arrivals per second, system
 memory, CPU, and the confidence (top-1 probability) of recently emitted tokens. The policy
-(static, PID on the latency SLO, a PPO-trained one) decides; its budget becomes
-`engine.budget`, under which every request that brings no budget of its own runs. The same
-policies drive the in-process `AdaptiveServer`.
+(static, PID on the latency SLO, a PPO-trained one) decides: that is the resource loop. The
+quality loop (runtime/quality_loop.py) bounds it: the decided budget, clamped to what the
+quality guard and the live agreement checks allow, becomes `engine.budget`, under which every
+request that brings no budget of its own runs. The same policies drive the in-process
+`AdaptiveServer`.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import psutil
 
 from .monitors import LatencyTracker, QualityMonitor
 from .policy import BasePolicy, Decision, PolicyState
+from .quality_loop import QualityLoop
 
 LATENCY_WINDOW_S = 5.0
 
@@ -26,15 +29,17 @@ LATENCY_WINDOW_S = 5.0
 class DecodeController:
     """Drives `engine.budget` with `policy`; `memory()` gives the system memory fraction,
     `cpu()` the CPU utilisation (psutil's since the last call by default) and `clock()` the time
-    in seconds (the decode-step simulator, runtime/decode_simulator.py, passes its own)."""
+    in seconds (the decode-step simulator, runtime/decode_simulator.py, passes its own).
+    `quality_loop` clamps each decided budget (None: the decision runs as it is, for a
+    simulator whose table holds only the plans it may run)."""
 
     def __init__(self, engine, policy: BasePolicy, slo_s: float, memory: Callable[[], float],
                  period_s: float = 0.25, *, clock: Callable[[], float] = time.monotonic,
-                 cpu: Callable[[], float] | None = None):
+                 cpu: Callable[[], float] | None = None, quality_loop: QualityLoop | None = None):
         if not slo_s > 0 or period_s < 0:
             raise ValueError("slo_s must be > 0 and period_s >= 0")
         self.engine, self.policy, self.slo_s, self.memory = engine, policy, slo_s, memory
-        self.period_s, self.clock = period_s, clock
+        self.period_s, self.clock, self.quality_loop = period_s, clock, quality_loop
         self.cpu = cpu or (lambda: psutil.cpu_percent(None) / 100)
         self.steps = LatencyTracker(latency_window_s=LATENCY_WINDOW_S, clock=clock)
         self.quality = QualityMonitor()
@@ -61,7 +66,16 @@ class DecodeController:
         state = self.state()
         self.policy.observe(state)
         self.decision = self.policy.decide(state)
-        self.engine.budget = self.decision.budget or None
+        budget = self.decision.budget or None
+        self.engine.budget = self.quality_loop.clamp(budget) if self.quality_loop else budget
+
+    def check_due(self) -> bool:
+        """Whether the engine checks this light decode step against the full path."""
+        return self.quality_loop is not None and self.quality_loop.check_due()
+
+    def checked(self, budget: float | None, agreed: int, rows: int) -> None:
+        """A checked light step: `agreed` of `rows` kept the full path's top-1 token."""
+        self.quality_loop.checked(budget, agreed, rows)
 
     def state(self) -> PolicyState:
         latency, quality, engine = self.steps.snapshot(), self.quality.snapshot(), self.engine

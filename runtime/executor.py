@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..guard import guard_budget
 from ..quality import head_logits, mean_pool
 from .complexity import ComplexityEstimator, Tiers
 from .early_exit import cascade
@@ -65,9 +66,13 @@ class TieredExecutor:
         self._gate_layer = {r["gate"]: r["layer"] for r in compiled.regions if r["kind"] == "prunable"}
 
     def setting(self, tier: int, decision: Decision):
-        """(gates, widths) of a tier under a decision; the width cap narrows every region."""
-        gates, widths = self.compiled.plan_for_budget(self.tiers.budget(tier, decision.budget))
-        if decision.width < 1:
+        """(gates, widths) of a tier under a decision, within the compiled model's quality
+        guard; the width cap narrows every region (never measured: only when the guard allows
+        unmeasured plans)."""
+        guard = self.compiled.guard
+        plan = guard_budget(self.compiled.plans, self.tiers.budget(tier, decision.budget), guard)
+        gates, widths = self.compiled.plan_for_budget(plan.budget)
+        if decision.width < 1 and guard.allow_unmeasured:
             widths = [min(w, decision.width) for w in (widths or [1.0] * len(gates))]
         return gates, widths
 

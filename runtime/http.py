@@ -47,7 +47,10 @@ from rbcompile.errors import UserError, first_line
 from rbcompile.generation import SPECULATE_MODES
 from rbcompile.prefix_cache import PrefixCache
 from rbcompile.runtime.admission import QOS_CLASSES, Overloaded, Watermarks, admit
+from rbcompile.guard import DECODER, GuardedPlan, guard_budget
 from rbcompile.runtime.decode_control import DecodeController
+from rbcompile.runtime.quality_loop import QualityLoop, QualityLoopConfig
+from rbcompile.runtime.quality_metrics import QualityCollector
 from rbcompile.runtime.result_cache import ResultCache, fingerprint
 from rbcompile.sampling import SamplingConfig
 from rbcompile.quality import mean_pool
@@ -501,7 +504,8 @@ COMPLETION, CHAT = CompletionFormat(), ChatFormat()
 def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits(),
                max_batch: int = 16, prefix_cache_mb: float = 256, prefill_chunk: int | None = 512,
                result_cache_mb: float = 256, watermarks: Watermarks = Watermarks(),
-               memory: Callable[[], float] | None = None, policy=None, slo_s: float = 0.1) -> FastAPI:
+               memory: Callable[[], float] | None = None, policy=None, slo_s: float = 0.1,
+               quality_loop: QualityLoopConfig = QualityLoopConfig()) -> FastAPI:
     """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer). With `api_key`,
     every path but /health needs `Authorization: Bearer <api_key>`. Decoders' completions are
     continuously batched, at most `max_batch` rows at a time (1: one after another), with a
@@ -513,7 +517,9 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
     halve, from 80% the batch class gets 503, from 95% every new completion does, with
     Retry-After; admitted ones always finish. With a `policy` (runtime/policy.py), a
     DecodeController sets the budget of completions that bring none, holding the decode-step
-    latency at `slo_s`."""
+    latency at `slo_s`, within what `compiled.guard` and the live agreement checks of
+    `quality_loop` allow (runtime/quality_loop.py). A completion's budget field is guarded
+    too; the response says which plan ran (`rbcompile.plan`; streams: headers)."""
     metrics, worker = Metrics(), ModelWorker()
     results = ResultCache(int(result_cache_mb * (1 << 20))) \
         if compiled.family != "decoder" and result_cache_mb > 0 else None
@@ -536,7 +542,9 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
         from rbcompile.runtime.monitors import ResourceMonitor
         memory = ResourceMonitor().memory_fraction
     if policy is not None and worker.engine is not None:
-        DecodeController(worker.engine, policy, slo_s, memory)
+        controller = DecodeController(worker.engine, policy, slo_s, memory,
+                                      quality_loop=QualityLoop(compiled, quality_loop))
+        metrics.registry.register(QualityCollector(controller))
     service = _Service(compiled, limits, metrics, worker, watermarks, memory, results)
     _add_error_handlers(app)
 
@@ -708,16 +716,19 @@ class _Service:
                   "created": int(time.time()), "model": self.name}
         await self._admit(body.rbcompile.qos)
         self.metrics.drafter.labels(body.rbcompile.speculate).inc()
+        asked = guard_budget(self.compiled.plans, body.rbcompile.budget, self.compiled.guard, DECODER)
+        if body.rbcompile.budget is not None:  # what runs: the guarded plan's budget
+            body.rbcompile.budget = asked.budget
         if body.rbcompile.consistency is not None:
-            return await self._voted(body, batch, stop, max_tokens, header, fmt, prompt_tokens)
+            return await self._voted(body, batch, stop, max_tokens, header, fmt, prompt_tokens, asked)
         if body.rbcompile.speculate in ("off", "ngram"):
-            run = self._batched(body, batch, stop, max_tokens)
+            run = self._batched(body, batch, stop, max_tokens, asked)
         else:
-            run = await self._generated(body, batch, stop, max_tokens)
+            run = await self._generated(body, batch, stop, max_tokens, asked)
         if body.stream:
             usage = prompt_tokens if body.stream_options and body.stream_options.include_usage else None
             return StreamingResponse(self._sse(run, header, fmt, choices, stop, max_tokens, usage),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=_plan_headers(asked))
         tokens = [[] for _ in range(choices)]
         async for index, token in run.events:
             tokens[index].append(token)
@@ -725,7 +736,8 @@ class _Service:
         return {**header,
                 "choices": [fmt.choice(index, *self._ending(row, stop, max_tokens))
                             for index, row in enumerate(tokens)],
-                "usage": _usage(prompt_tokens, sum(len(row) for row in tokens))}
+                "usage": _usage(prompt_tokens, sum(len(row) for row in tokens)),
+                "rbcompile": {"plan": run.plan()}}
 
     async def _relieve_memory(self) -> float:
         """The memory fraction in use now; from the shrink watermark on, the prefix cache (set on
@@ -755,7 +767,8 @@ class _Service:
             self.metrics.refused.labels(exc.reason).inc()
             raise ApiError(503, str(exc), code="overloaded") from None
 
-    def _batched(self, body, batch, stop: list[str], max_tokens: int) -> "_TokenRun":
+    def _batched(self, body, batch, stop: list[str], max_tokens: int,
+                 asked: GuardedPlan) -> "_TokenRun":
         """The choices as requests of the continuous-batching engine, the n choices of a prompt
         as one group that shares its prefill (when the batch has rows for all n); choice i
         samples with seed `seed + i` (its own generator: the same prompt, seed and choice index
@@ -786,7 +799,8 @@ class _Service:
                 engine.cancel(request)
             raise
         return _TokenRun(self._engine_events(requests, queue), lambda: (
-            sum(r.drafted for r in requests), sum(r.accepted for r in requests), {}))
+            sum(r.drafted for r in requests), sum(r.accepted for r in requests), {}),
+            lambda: self._plan_report(asked, max(r.budget_run for r in requests)))
 
     async def _engine_events(self, requests: list[EngineRequest], queue: asyncio.Queue):
         """(choice, token) as the engine emits them; stopping early (a client gone) cancels
@@ -807,7 +821,7 @@ class _Service:
                     self.worker.engine.cancel(request)
 
     async def _voted(self, body, batch, stop: list[str], max_tokens: int, header: dict,
-                     fmt: ChoiceFormat, prompt_tokens: int) -> dict:
+                     fmt: ChoiceFormat, prompt_tokens: int, asked: GuardedPlan) -> dict:
         """`rbcompile.consistency`: one choice, the text of a sample giving the answer voted
         over 1, 3 or 7 samples (or as many as the complexity router picks: 'auto'), drawn by
         `generate(consistency=...)` on the model thread (its own batch, between the engine's
@@ -833,9 +847,11 @@ class _Service:
                 "usage": _usage(prompt_tokens, stats.new_tokens),
                 "rbcompile": {"answer": result.answer, "votes": result.votes,
                               "samples": stats.drawn, "voted": stats.voted,
-                              "stopped_early": stats.stopped_early, "tier": stats.tier}}
+                              "stopped_early": stats.stopped_early, "tier": stats.tier,
+                              "plan": self._plan_report(asked, asked.budget)}}
 
-    async def _generated(self, body, batch, stop: list[str], max_tokens: int) -> "_TokenRun":
+    async def _generated(self, body, batch, stop: list[str], max_tokens: int,
+                         asked: GuardedPlan) -> "_TokenRun":
         """The choices through speculative `generate` as one batch on the model thread (the
         engine drafts by n-gram only: 'self' and 'auto' need the light path's draft forwards
         per request); `seed` seeds the one generator the batch draws from."""
@@ -849,7 +865,16 @@ class _Service:
         def counts():
             stats = events.result().stats
             return stats.drafted, stats.accepted, stats.steps_by_mode
-        return _TokenRun(self.worker.iterate(events), counts)
+        return _TokenRun(self.worker.iterate(events), counts,
+                         lambda: self._plan_report(asked, asked.budget))
+
+    def _plan_report(self, asked: GuardedPlan, ran_budget: float) -> dict:
+        """`rbcompile.plan` of a response: the budget asked for and why less ran, the largest
+        budget its tokens ran (a controller's too) and that plan's measured quality loss."""
+        ran = guard_budget(self.compiled.plans, ran_budget, self.compiled.guard, DECODER)
+        limit = self.compiled.guard.max_quality_loss
+        return {**asked.as_json(), "budget": ran.budget, "quality_loss": ran.quality_loss,
+                "max_quality_loss": limit if limit != float("inf") else None}
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -933,8 +958,9 @@ class _TokenRun:
     (`counts()`: draft tokens verified and accepted, and `generate`'s decode steps by mode;
     the engine's steps are read from the engine itself)."""
 
-    def __init__(self, events, counts: Callable[[], tuple[int, int, dict]]):
-        self.counts, self.started, self.tokens = counts, time.perf_counter(), 0
+    def __init__(self, events, counts: Callable[[], tuple[int, int, dict]],
+                 plan: Callable[[], dict]):
+        self.counts, self.plan, self.started, self.tokens = counts, plan, time.perf_counter(), 0
         self.events = self._counted(events)
 
     async def _counted(self, events):
@@ -946,6 +972,17 @@ class _TokenRun:
         drafted, accepted, steps_by_mode = self.counts()
         metrics.record_generation(self.tokens, time.perf_counter() - self.started, drafted, accepted)
         metrics.steps.add(steps_by_mode)
+
+
+def _plan_headers(asked: GuardedPlan) -> dict[str, str]:
+    """A stream's headers for its budget: what it asked, what its plan allows, and why less."""
+    if asked.requested is None:
+        return {}
+    headers = {"x-rbcompile-requested-budget": f"{asked.requested:g}",
+               "x-rbcompile-budget": f"{asked.budget:g}"}
+    if asked.withheld is not None:
+        headers["x-rbcompile-withheld"] = asked.withheld
+    return headers
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

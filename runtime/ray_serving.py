@@ -94,11 +94,14 @@ class ClusterBudget:
         reads the artifact's plans, ppo its --policy-file): None, or the user error's text."""
         from .. import manifest as manifests
         from ..cli import _serve_policy
+        from ..guard import DECODER, QualityGuard, lossy_budgets
         from pathlib import Path
 
         try:
             plans = manifests.read(Path(artifact)).get("plans") if policy_args["policy"] == "pid" else None
-            self.policy = _serve_policy(SimpleNamespace(**policy_args), SimpleNamespace(plans=plans))
+            guard = QualityGuard(policy_args["max_quality_loss"], policy_args["allow_unmeasured_plans"])
+            most = max(lossy_budgets(plans, guard, DECODER), default=0.0)
+            self.policy = _serve_policy(SimpleNamespace(**policy_args), most)
         except UserError as exc:
             return str(exc)
         return None
@@ -228,14 +231,18 @@ def app_builder(artifact: str, actor, options: dict) -> Callable:
         from ray import serve
 
         import rbcompile
+        from rbcompile.guard import QualityGuard
         from rbcompile.runtime.http import ServeLimits, create_app
+        from rbcompile.runtime.quality_loop import QualityLoopConfig
 
         replica = serve.get_replica_context().replica_tag
         model = rbcompile.load(artifact)
         policy = ClusterPolicy.for_actor(actor, replica)
         settings = dict(options)
         limits = ServeLimits(**settings.pop("limits"))
-        app = create_app(model, limits=limits, policy=policy, **settings)
+        model.guard = QualityGuard(**settings.pop("guard"))
+        checks = QualityLoopConfig(check_every=settings.pop("quality_check_every"))
+        app = create_app(model, limits=limits, policy=policy, quality_loop=checks, **settings)
 
         @app.get(CLUSTER_PATH)
         async def cluster():
@@ -318,9 +325,13 @@ def serve_on_ray(args, api_key: str | None) -> None:
                    "result_cache_mb": args.result_cache_mb,
                    "slo_s": args.slo_ms / 1000,
                    "limits": {"max_body_bytes": args.max_body_bytes,
-                              "max_tokens_limit": args.max_tokens_limit}}
+                              "max_tokens_limit": args.max_tokens_limit},
+                   "guard": {"max_quality_loss": args.max_quality_loss,
+                             "allow_unmeasured": args.allow_unmeasured_plans},
+                   "quality_check_every": args.quality_check_every}
         policy_args = {"policy": args.policy, "budget": args.budget, "slo_ms": args.slo_ms,
-                       "policy_file": policy_file}
+                       "policy_file": policy_file, "max_quality_loss": args.max_quality_loss,
+                       "allow_unmeasured_plans": args.allow_unmeasured_plans}
         deploy(artifact, replicas=args.replicas, policy_args=policy_args, options=options,
                replica_cpus=args.replica_cpus, host=args.host, port=args.port)
         print(f"serving {args.artifact} on http://{args.host}:{args.port}/v1 with {args.replicas} "
