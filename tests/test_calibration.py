@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import rbcompile
-from conftest import word_text
+from conftest import unguarded, word_text
 from rbcompile.calibration_data import decoder_windows, load_texts
 from rbcompile.cli import main
 from rbcompile.errors import UserError
@@ -114,7 +114,7 @@ def test_greedy_search_measures_moves_in_context_and_respects_budget():
 
 
 def test_calibration_survives_save_and_load(calibrated_llama, tmp_path):
-    loaded = rbcompile.load(calibrated_llama.save(tmp_path / "a"))
+    loaded = unguarded(rbcompile.load(calibrated_llama.save(tmp_path / "a")))
     assert loaded.plans == calibrated_llama.plans
     ids = torch.randint(3, 90, (2, 10))
     assert torch.equal(loaded(ids, budget=0.3)["logits"], calibrated_llama(ids, budget=0.3)["logits"])

@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import rbcompile
-from conftest import TINY_VOCAB, make_tiny_model
+from conftest import TINY_VOCAB, make_tiny_model, unguarded
 from rbcompile.cuda_graphs import GraphCache
 
 
@@ -289,7 +289,7 @@ def test_bad_bounds_are_refused():
 
 def test_artifact_pads_to_buckets_and_cuts_back():
     model = make_tiny_model("bert")
-    compiled = rbcompile.compile(model)
+    compiled = unguarded(rbcompile.compile(model))
     compiled.use_cuda_graphs(capture=FakeCapture(), max_graphs=3, batch_buckets=(1, 4),
                              seq_multiple=16)
     assert compiled.module.region_cache.enabled is False
@@ -396,7 +396,7 @@ def test_plan_graphs_are_captured_per_plan(compiled_tiny):
     """CUDA graphs over one compiled function per plan (plan_graphs.py, run eagerly here): each
     (plan, bucket) is captured once and replays the plan's function; the outputs equal the
     region interpreter's (within fp32 reordering)."""
-    compiled = rbcompile.compile(make_tiny_model("llama"))
+    compiled = unguarded(rbcompile.compile(make_tiny_model("llama")))
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(3, TINY_VOCAB, (2, 10), generator=generator)
     mask = torch.ones_like(ids)

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import rbcompile
-from conftest import text_streamed_through_sigterm
+from conftest import text_streamed_through_sigterm, unguarded
 from rbcompile.cli import main
 from rbcompile.runtime.decode_control import DecodeController
 from rbcompile.runtime.http import create_app
@@ -21,6 +21,8 @@ from rbcompile.runtime.policy import BasePolicy, Decision, PolicyState, StaticPo
 from rbcompile.runtime.ray_serving import (CLUSTER_PATH, RAY_MISSING, REPLICA_HEADER, ClusterBudget,
                                            ClusterPolicy, aggregate)
 
+# serve's --max-quality-loss and --allow-unmeasured-plans, as the cluster controller gets them
+GUARD = {"max_quality_loss": 0.03, "allow_unmeasured_plans": True}
 PROMPTS = ["the a of and to in", "he she", "it was the", "of the a he", "she was in", "to be or"]
 
 
@@ -101,15 +103,15 @@ def test_cluster_budget_decides_on_the_aggregate_once_per_period():
 
 def test_cluster_budget_builds_the_policy_as_serve_does(tmp_path):
     cluster = ClusterBudget()
-    assert cluster.start({"policy": "static", "budget": 0.5, "slo_ms": 100, "policy_file": None},
+    assert cluster.start({"policy": "static", "budget": 0.5, "slo_ms": 100, "policy_file": None, **GUARD},
                          str(tmp_path)) is None
     assert cluster.report("r", PolicyState()).budget == 0.5
     assert "--policy-file goes with --policy ppo" in ClusterBudget().start(
-        {"policy": "ppo", "budget": 0, "slo_ms": 100, "policy_file": None}, str(tmp_path))
+        {"policy": "ppo", "budget": 0, "slo_ms": 100, "policy_file": None, **GUARD}, str(tmp_path))
     assert "--slo-ms must be > 0" in ClusterBudget().start(
-        {"policy": "static", "budget": 0, "slo_ms": 0, "policy_file": None}, str(tmp_path))
+        {"policy": "static", "budget": 0, "slo_ms": 0, "policy_file": None, **GUARD}, str(tmp_path))
     assert "missing manifest.json" in ClusterBudget().start(   # pid reads the artifact's plans
-        {"policy": "pid", "budget": 0, "slo_ms": 100, "policy_file": None}, str(tmp_path))
+        {"policy": "pid", "budget": 0, "slo_ms": 100, "policy_file": None, **GUARD}, str(tmp_path))
 
 
 def test_cluster_policy_never_waits_on_a_slow_controller_and_keeps_the_last_decision():
@@ -148,7 +150,7 @@ def test_cluster_policy_never_waits_on_a_slow_controller_and_keeps_the_last_deci
 
 @pytest.fixture(scope="module")
 def llama(tiny_checkpoints):
-    return rbcompile.compile(tiny_checkpoints["llama"])
+    return unguarded(rbcompile.compile(tiny_checkpoints["llama"]))
 
 
 def test_one_controller_sets_the_budget_of_two_apps(llama):
@@ -205,7 +207,8 @@ def test_two_ray_serve_replicas_one_controller(llama, tmp_path, monkeypatch):
     started = time.monotonic()
     process = subprocess.Popen([sys.executable, "-m", "rbcompile.cli", "serve", str(artifact), "--ray",
                                 "--replicas", "2", "--replica-cpus", "0.5", "--port", str(port),
-                                "--policy", "static", "--budget", "0.5", "--api-key-env", "RBC_TEST_KEY"],
+                                "--policy", "static", "--budget", "0.5", "--api-key-env", "RBC_TEST_KEY",
+                                "--allow-unmeasured-plans"],
                                stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     client = httpx.Client(base_url=base, timeout=60, headers={"Authorization": "Bearer k3y"})

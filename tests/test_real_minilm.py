@@ -2,7 +2,7 @@
 import torch
 
 import rbcompile
-from conftest import eager_outputs, max_diff
+from conftest import eager_outputs, max_diff, unguarded
 
 SENTENCES = [
     "A gripping, beautifully acted film that stays with you long after the credits.",
@@ -34,6 +34,6 @@ def test_minilm_budget_skips_layers_and_keeps_embeddings_close(minilm, tmp_path)
 
     cosine = (pooled(full) * pooled(light)).sum(-1)
     assert (cosine > 0.5).all() and (cosine < 0.9999).all()
-    loaded = rbcompile.load(compiled.save(tmp_path / "minilm"))
+    loaded = unguarded(rbcompile.load(compiled.save(tmp_path / "minilm")))
     again = loaded(batch["input_ids"], batch["attention_mask"], budget=0.34)
     assert torch.equal(again["last_hidden_state"], light["last_hidden_state"])
