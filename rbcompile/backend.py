@@ -38,7 +38,7 @@ from .errors import CompileError, first_line
 from .ir import RESERVED_NAMES
 from .passes import PassContext, run_pipeline
 from .passes.base import module_stack
-from .guard import DEFAULT_MAX_QUALITY_LOSS, QualityGuard, guard_budget
+from .guard import QualityGuard, guard_budget
 from .plans import check_budget, plan_for_budget, skipped_share
 
 logger = logging.getLogger("rbcompile.backend")
@@ -59,13 +59,12 @@ class BackendOptions:
     max_graphs: int = 16         # bound on the CUDA graphs (and plan graphs) of one graph
     capture: Callable | None = None  # replaces the CUDA capture (tests: a fake one, CPU inputs too)
     # the quality guard (rbcompile/guard.py): a graph compiled here has no measured plans, so
-    # a lossy budget runs only with allow_unmeasured_plans; otherwise the full path, warned once
-    max_quality_loss: float = DEFAULT_MAX_QUALITY_LOSS
+    # a lossy budget runs only with allow_unmeasured_plans; otherwise the full path, logged once
     allow_unmeasured_plans: bool = False
 
     @property
     def guard(self) -> QualityGuard:
-        return QualityGuard(self.max_quality_loss, self.allow_unmeasured_plans)
+        return QualityGuard(allow_unmeasured=self.allow_unmeasured_plans)
 
     @classmethod
     def parse(cls, options: dict | None) -> "BackendOptions":
@@ -77,7 +76,6 @@ class BackendOptions:
         parsed = cls(**options)
         if parsed.budget is not None:
             check_budget(parsed.budget)
-        parsed.guard  # noqa: B018 - a ValueError for a bad max_quality_loss
         if parsed.regions not in REGION_COMPILERS:
             raise ValueError(f"option regions must be one of {REGION_COMPILERS}, "
                              f"got {parsed.regions!r}")
@@ -345,8 +343,8 @@ class _Runner:
         plan = guard_budget(self.plans, chosen.budget, self.options.guard)
         if plan.withheld is not None and not self.warned:
             self.warned = True
-            logger.warning("rbcompile backend: %s (options allow_unmeasured_plans / "
-                        "max_quality_loss)", plan.describe())
+            logger.warning("rbcompile backend: %s (option allow_unmeasured_plans runs it)",
+                           plan.describe())
         return plan_for_budget(regions, plan.budget, self.plans)
 
     def __call__(self, *args):

@@ -432,8 +432,9 @@ def _cmd_run(args) -> None:
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
     _quality_guard(args, model)
     model.complexity_threshold = args.complexity_threshold
+    baked = None if args.budget is None else model.guarded(args.budget).budget  # what runs
     with (nullcontext(model) if args.engine == "torch"
-          else onnx_engine(model, args.onnx, args.budget)) as engine:
+          else onnx_engine(model, args.onnx, baked)) as engine:
         _run_texts(model, engine, args)
 
 
@@ -734,17 +735,26 @@ def _quality_guard(args, model) -> None:
     import warnings
 
     from .compiled import QualityGuardWarning
-    from .guard import DECODER, FORWARD, plan_loss
 
     model.guard = _guard_from(args)
     warnings.filterwarnings("ignore", category=QualityGuardWarning)
-    path = DECODER if model.decoder is not None else FORWARD
-    lossy = [plan for plan in model.plans or [] if plan["budget"] > 0]
-    unmeasured = sum(plan_loss(plan, path) is None for plan in lossy)
+    lossy, unmeasured = _lossy_plans(model), _unmeasured_plans(model)
     if args.allow_unmeasured_plans and (unmeasured or not lossy):
         what = f"{unmeasured} of its plans" if lossy else "every lossy budget (uncalibrated)"
         print(f"rbcompile: warning: --allow-unmeasured-plans: {what} may run with no measured "
               "quality cost", file=sys.stderr)
+
+
+def _lossy_plans(model) -> list[dict]:
+    return [plan for plan in model.plans or [] if plan["budget"] > 0]
+
+
+def _unmeasured_plans(model) -> int:
+    """How many of the stored lossy plans have no measured loss where the model serves."""
+    from .guard import DECODER, FORWARD, plan_loss
+
+    path = DECODER if model.decoder is not None else FORWARD
+    return sum(plan_loss(plan, path) is None for plan in _lossy_plans(model))
 
 
 def _guard_from(args):
@@ -759,11 +769,7 @@ def _guard_from(args):
 
 def _guard_leaves(model) -> str:
     """What a serving guard leaves the controller: the budgets it allows that skip work."""
-    from .guard import DECODER, FORWARD, plan_loss
-
-    path = DECODER if model.decoder is not None else FORWARD
-    lossy = [plan for plan in model.plans or [] if plan["budget"] > 0]
-    unmeasured = sum(plan_loss(plan, path) is None for plan in lossy)
+    lossy, unmeasured = _lossy_plans(model), _unmeasured_plans(model)
     allowed = _serving_budgets(model)
     if allowed and not lossy:
         return "any lossy budget (unmeasured)"

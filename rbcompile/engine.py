@@ -163,6 +163,7 @@ class BatchEngine:
         self.stats = EngineStats()
         self.budget: float | None = None   # for requests without their own (a controller's)
         self.controller = None             # runtime.decode_control.DecodeController, if any
+        self._check_s = 0.0                # this step's seconds in a quality check's full path
         self.wake = wake or threading.Condition()   # notified on submit and cancel
 
     # ---- any thread ----------------------------------------------------------------------
@@ -386,6 +387,7 @@ class BatchEngine:
     def _decode(self) -> None:
         """One step over every running row: its pending token and its drafts, if any."""
         cache, device, started = self.cache, self.shape.device, perf_counter()
+        self._check_s = 0.0
         drafts = self._drafts()
         width = 1 + max(map(len, drafts))
         cache.reserve_step(width)
@@ -409,7 +411,7 @@ class BatchEngine:
         self.stats.speculative_steps += width > 1
         if self.controller is not None:
             top = logits[:, 0].float().softmax(-1).max(-1).values.tolist()
-            self.controller.step_done(perf_counter() - started, top)
+            self.controller.step_done(perf_counter() - started - self._check_s, top)
         for request, tokens in zip(self.running, emitted):
             for token in tokens:
                 self._emit(request, token)
@@ -461,9 +463,12 @@ class BatchEngine:
         return self.gates_for_budget(self._budget(requests))
 
     def _budget(self, requests: list[EngineRequest]) -> float | None:
-        """The smallest budget among `requests` (see `_gates`); each notes it in `budget_run`."""
+        """The smallest budget among `requests` (see `_gates`), bounded by the controller's
+        quality loop; each notes it in `budget_run`."""
         budgets = [self.budget if request.budget is None else request.budget for request in requests]
         budget = None if None in budgets else min(budgets)
+        if budget and self.controller is not None:
+            budget = self.controller.bound(budget)
         for request in requests:
             request.budget_run = max(request.budget_run, budget or 0.0)
         return budget
@@ -477,9 +482,12 @@ class BatchEngine:
         if gates is None or all(gates) or self.controller is None or \
                 not self.controller.check_due():
             return self.step_fn(*inputs, gates=gates)[:active]
-        full = self.step_fn(*inputs, gates=None)[:active, 0].argmax(-1)
+        started = perf_counter()
+        full = self.step_fn(*inputs, gates=None)[:active, 0].argmax(-1).tolist()
+        self._check_s = perf_counter() - started   # not the step's: the controller times light
         logits = self.step_fn(*inputs, gates=gates)[:active]
-        self.controller.checked(budget, int((logits[:, 0].argmax(-1) == full).sum()), active)
+        light = logits[:, 0].argmax(-1).tolist()
+        self.controller.checked(budget, sum(a == b for a, b in zip(light, full)), active)
         return logits
 
     def _emit(self, request: EngineRequest, token: int) -> None:

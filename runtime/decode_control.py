@@ -69,6 +69,10 @@ class DecodeController:
         budget = self.decision.budget or None
         self.engine.budget = self.quality_loop.clamp(budget) if self.quality_loop else budget
 
+    def bound(self, budget: float | None) -> float | None:
+        """The budget a request's own `budget` runs under the quality loop."""
+        return self.quality_loop.bound(budget) if self.quality_loop else budget
+
     def check_due(self) -> bool:
         """Whether the engine checks this light decode step against the full path."""
         return self.quality_loop is not None and self.quality_loop.check_due()

@@ -716,7 +716,7 @@ class _Service:
                   "created": int(time.time()), "model": self.name}
         await self._admit(body.rbcompile.qos)
         self.metrics.drafter.labels(body.rbcompile.speculate).inc()
-        asked = guard_budget(self.compiled.plans, body.rbcompile.budget, self.compiled.guard, DECODER)
+        asked = self._plan(body.rbcompile.budget)
         if body.rbcompile.budget is not None:  # what runs: the guarded plan's budget
             body.rbcompile.budget = asked.budget
         if body.rbcompile.consistency is not None:
@@ -868,9 +868,18 @@ class _Service:
         return _TokenRun(self.worker.iterate(events), counts,
                          lambda: self._plan_report(asked, asked.budget))
 
+    def _plan(self, budget: float | None) -> GuardedPlan:
+        """The plan a budget runs: the guard's, and the live checks' where a controller runs
+        them."""
+        controller = getattr(self.worker.engine, "controller", None)
+        if controller is not None and controller.quality_loop is not None:
+            return controller.quality_loop.plan(budget)
+        return guard_budget(self.compiled.plans, budget, self.compiled.guard, DECODER)
+
     def _plan_report(self, asked: GuardedPlan, ran_budget: float) -> dict:
         """`rbcompile.plan` of a response: the budget asked for and why less ran, the largest
-        budget its tokens ran (a controller's too) and that plan's measured quality loss."""
+        budget its tokens ran (a controller's too: the engine records them bounded) and that
+        plan's measured quality loss."""
         ran = guard_budget(self.compiled.plans, ran_budget, self.compiled.guard, DECODER)
         limit = self.compiled.guard.max_quality_loss
         return {**asked.as_json(), "budget": ran.budget, "quality_loss": ran.quality_loss,

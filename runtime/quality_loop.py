@@ -1,27 +1,32 @@
 """The quality loop of `rbcompile serve`: it bounds the budgets the resource loop may set.
 
 The resource loop (a policy: static, PID on the decode-step latency, PPO) proposes a budget;
-`QualityLoop.clamp` turns it into the budget that runs:
+`QualityLoop.clamp` turns it into the budget that runs, and `bound` does the same, uncounted,
+for the budget a request brings:
 1. the compiled model's `QualityGuard` (rbcompile/guard.py): the plan of the largest budget
    at or under it whose measured quality loss (calibration, the decoder's plans) is within
    the guard; unmeasured plans only when the user allowed them;
-2. the live ceiling: one light decode step in `check_every` also runs the full path first
-   (engine.BatchEngine._checked_step) and counts the rows whose top-1 token agrees. When, over
-   the last `window` compared rows of a plan (at least `min_checks`), the share that changed is
-   over the guard's `max_quality_loss`, that plan and every lossier one are withheld for the
-   rest of the run, whatever the latency says.
+2. the live checks: one light decode step in `check_every` also runs the full path first
+   (engine.BatchEngine._checked_step) and counts the rows whose top-1 token agrees, per
+   decoder plan (its gates). When the last `window` compared rows of a plan (at least
+   `min_checks`) show, with 95% confidence (the Wilson lower bound), that more of its tokens
+   change than the guard's `max_quality_loss`, that plan is withheld for the rest of the run,
+   whatever the latency says: a calibrated artifact then runs the largest allowed plan with
+   other gates; the fixed skip order (unmeasured plans, allowed) at most half the failed
+   plan's skipped share, so a run of bad plans is left in a few steps.
 Each decision that asked for more than it got is counted by reason (`withheld`).
 """
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
 
-from ..guard import DECODER, GuardedPlan, guard_budget
+from ..guard import DECODER, OVER_GUARD, UNMEASURED, GuardedPlan, guard_budget
 
 OBSERVED = "observed"   # a withheld reason beside guard.OVER_GUARD and guard.UNMEASURED
-CEILING_EPS = 1e-6
+CONFIDENCE_Z = 1.645    # one-sided 95%
 
 
 @dataclass(frozen=True)
@@ -37,16 +42,27 @@ class QualityLoopConfig:
                              "[1, window]")
 
 
+def changed_lower_bound(changed: int, rows: int, z: float = CONFIDENCE_Z) -> float:
+    """The Wilson score interval's lower end for the share of rows that changed."""
+    if rows == 0:
+        return 0.0
+    share, z2 = changed / rows, z * z
+    centre = share + z2 / (2 * rows)
+    spread = z * math.sqrt(share * (1 - share) / rows + z2 / (4 * rows * rows))
+    return max(0.0, (centre - spread) / (1 + z2 / rows))
+
+
 class QualityLoop:
-    """Clamps budgets to what `compiled.guard` and the live checks allow (thread-safe)."""
+    """Bounds budgets by `compiled.guard` and the live checks (thread-safe)."""
 
     def __init__(self, compiled, config: QualityLoopConfig = QualityLoopConfig()):
         self.compiled, self.config = compiled, config
-        self.ceiling = 1.0                 # budgets above it are withheld (live checks)
-        self.withheld = {reason: 0 for reason in ("unmeasured", "over_guard", OBSERVED)}
+        self.ceiling = 1.0                  # fixed skip order: budgets above it are withheld
+        self.withheld = {reason: 0 for reason in (UNMEASURED, OVER_GUARD, OBSERVED)}
         self.checked_rows = self.agreed_rows = 0
         self._light_steps = 0
-        self._rows: dict[float, deque[bool]] = {}
+        self._failed: set[tuple[bool, ...]] = set()          # decoder gates withheld live
+        self._rows: dict[tuple[bool, ...], deque[bool]] = {}
         self._recent: deque[bool] = deque(maxlen=config.window)
         self._lock = threading.Lock()
 
@@ -55,20 +71,38 @@ class QualityLoop:
         return self.compiled.guard.max_quality_loss
 
     def plan(self, budget: float | None) -> GuardedPlan:
-        """The guarded plan of `budget`, under the live ceiling too."""
+        """The plan of `budget` under the guard and the live checks."""
         plan = guard_budget(self.compiled.plans, budget, self.compiled.guard, DECODER)
-        if plan.budget <= self.ceiling:
+        with self._lock:
+            failed, ceiling = set(self._failed), self.ceiling
+        if not plan.lossy or (self._gates(plan.budget) not in failed and plan.budget <= ceiling):
             return plan
-        lower = guard_budget(self.compiled.plans, self.ceiling, self.compiled.guard, DECODER)
-        return GuardedPlan(budget, lower.budget, lower.quality_loss, OBSERVED)
+        if not self.compiled.plans:
+            lower = guard_budget(None, ceiling, self.compiled.guard, DECODER)
+            return GuardedPlan(budget, lower.budget, lower.quality_loss, OBSERVED)
+        for lower_budget in sorted((p["budget"] for p in self.compiled.plans
+                                    if p["budget"] < plan.budget), reverse=True):
+            lower = guard_budget(self.compiled.plans, lower_budget, self.compiled.guard, DECODER)
+            if lower.budget == lower_budget and (not lower.lossy or
+                                                 self._gates(lower.budget) not in failed):
+                return GuardedPlan(budget, lower.budget, lower.quality_loss, OBSERVED)
+        return GuardedPlan(budget, 0.0, 0.0, OBSERVED)
+
+    def bound(self, budget: float | None) -> float | None:
+        """The budget `budget` runs (None: the full path)."""
+        return self.plan(budget).budget or None
 
     def clamp(self, budget: float | None) -> float | None:
-        """The budget a decision of `budget` runs (None: the full path); counted if withheld."""
+        """`bound` for a controller's decision, counted by reason when less than asked."""
         plan = self.plan(budget)
         if plan.withheld is not None:
             with self._lock:
                 self.withheld[plan.withheld] += 1
         return plan.budget or None
+
+    def ceiling_budget(self) -> float:
+        """The largest budget that runs as asked now."""
+        return self.plan(1.0).budget
 
     def check_due(self) -> bool:
         """Called before each light decode step: whether to check this one."""
@@ -80,30 +114,27 @@ class QualityLoop:
 
     def checked(self, budget: float | None, agreed: int, rows: int) -> None:
         """A checked step of `budget`: `agreed` of `rows` kept the full path's top-1 token."""
-        key = self._share(budget)
+        gates = self._gates(budget or 0.0)
         outcomes = [True] * agreed + [False] * (rows - agreed)
         with self._lock:
             self.checked_rows += rows
             self.agreed_rows += agreed
             self._recent.extend(outcomes)
-            window = self._rows.setdefault(key, deque(maxlen=self.config.window))
+            window = self._rows.setdefault(gates, deque(maxlen=self.config.window))
             window.extend(outcomes)
-            changed = window.count(False) / len(window)
+            changed = changed_lower_bound(window.count(False), len(window))
             if len(window) >= self.config.min_checks and changed > self.max_quality_loss:
-                self.ceiling = min(self.ceiling, key - CEILING_EPS)
-                for share in [share for share in self._rows if share > self.ceiling]:
-                    del self._rows[share]
+                self._failed.add(gates)
+                del self._rows[gates]
+                if not self.compiled.plans:
+                    share = self.compiled.skipped_share(self.compiled.gates_for_budget(budget))
+                    self.ceiling = min(self.ceiling, share / 2)
 
     def agreement(self) -> float:
         """Top-1 agreement with the full path over the last `window` checked rows (1.0: none)."""
         with self._lock:
             return sum(self._recent) / len(self._recent) if self._recent else 1.0
 
-    def _share(self, budget: float | None) -> float:
-        """The plan of `budget` as one number: a stored plan's budget, or (the fixed skip
-        order) the prunable share its gates skip, so budgets running the same gates share
-        their checks and the ceiling drops below the plan that failed."""
-        plan = guard_budget(self.compiled.plans, budget, self.compiled.guard, DECODER)
-        if self.compiled.plans:
-            return plan.budget
-        return self.compiled.skipped_share(self.compiled.gates_for_budget(plan.budget))
+    def _gates(self, budget: float) -> tuple[bool, ...]:
+        """The decoder gates a budget's plan runs (() for the full path)."""
+        return tuple(self.compiled.decoder_gates(budget) or ())

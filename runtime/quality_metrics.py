@@ -15,8 +15,8 @@ class QualityCollector:
         loop, confidence = self.controller.quality_loop, self.controller.quality.snapshot()
         yield _gauge("rbcompile_quality_guard_max_loss", "The most quality loss a lossy plan "
                      "may cost (measured on held-out text; +Inf: no guard)", loop.max_quality_loss)
-        yield _gauge("rbcompile_quality_ceiling_budget", "The largest budget the live agreement "
-                     "checks still allow", loop.ceiling)
+        yield _gauge("rbcompile_quality_ceiling_budget", "The largest budget that runs as asked "
+                     "under the guard and the live agreement checks", loop.ceiling_budget())
         withheld = CounterMetricFamily(
             "rbcompile_lossy_plans_withheld", "Controller decisions that asked for a plan the "
             "quality loop withheld: over_guard (measured loss over the guard), unmeasured (never "

@@ -20,7 +20,8 @@ from rbcompile.runtime.decode_control import DecodeController
 from rbcompile.runtime.http import create_app
 from rbcompile.runtime.pid import PIDConfig
 from rbcompile.runtime.policy import PIDPolicy, StaticPolicy
-from rbcompile.runtime.quality_loop import OBSERVED, QualityLoop, QualityLoopConfig
+from rbcompile.runtime.quality_loop import (OBSERVED, QualityLoop, QualityLoopConfig,
+                                            changed_lower_bound)
 
 PROMPTS = ["the a of and to in", "he she and", "in the in the", "of and to in he", "she was",
            "a the of and"]
@@ -134,7 +135,7 @@ def test_generate_never_runs_a_plan_over_the_guard(calibrated):
         assert all(calibrated.guarded_decoder_gates(0.5) or [True])
         calibrated.guard = QualityGuard(max(losses))
         plan = calibrated.guarded(0.5, DECODER)
-        assert plan.withheld is None and plan.quality_loss == losses[-1]
+        assert plan.withheld is None and plan.budget == 0.5 and plan.quality_loss == losses[-1]
     finally:
         calibrated.guard = QualityGuard()
 
@@ -317,5 +318,67 @@ def test_backend_withholds_an_unmeasured_budget_unless_allowed():
         skipped = max(graph.last_skipped for graph in backend.compiled_graphs())
         assert (skipped > 0) == allow
         assert torch.allclose(logits, reference, atol=1e-5) != allow
-    with pytest.raises(Exception, match="max_quality_loss"):
-        backend.BackendOptions.parse({"max_quality_loss": -1})
+    assert backend.BackendOptions.parse({"allow_unmeasured_plans": True}).guard.allow_unmeasured
+    with pytest.raises(ValueError, match="unknown rbcompile option"):
+        backend.BackendOptions.parse({"max_quality_loss": 0.1})   # its plans are never measured
+
+
+def test_a_plan_is_withheld_only_when_its_checks_are_confidently_over_the_guard():
+    """The Wilson lower bound: 2 changed rows of 64 (3.1%) is noise around a 0.03 guard, 10 of
+    64 is not."""
+    assert changed_lower_bound(2, 64) < 0.03 < changed_lower_bound(10, 64)
+    assert changed_lower_bound(0, 64) == 0.0 and changed_lower_bound(0, 0) == 0.0
+    assert changed_lower_bound(64, 64) > 0.9
+
+
+def test_a_plan_failed_live_is_withheld_from_requests_too(calibrated):
+    """Once the live checks withhold a decoder plan, a request asking for it runs a lower plan
+    with other gates and says why; the controller's decisions are clamped alike."""
+    calibrated.guard = QualityGuard(0.5)   # over every plan's measured loss: all allowed
+    try:
+        app = create_app(calibrated, policy=StaticPolicy(0.0))
+        loop = app.state.engine.controller.quality_loop
+        top = max(p["budget"] for p in calibrated.plans)
+        assert loop.plan(top).withheld is None
+        loop.checked(top, 0, 64)                       # every checked row changed
+        plan = loop.plan(top)
+        assert plan.withheld == OBSERVED and plan.budget < top
+        assert tuple(calibrated.decoder_gates(plan.budget) or ()) != \
+            tuple(calibrated.decoder_gates(top))
+        assert loop.clamp(top) == (plan.budget or None) and loop.withheld[OBSERVED] == 1
+        body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0,
+                "rbcompile": {"budget": top}}
+        (response,), metrics = asyncio.run(_post_all(app, [body]))
+    finally:
+        calibrated.guard = QualityGuard()
+    reported = response.json()["rbcompile"]["plan"]
+    assert reported["withheld"] == OBSERVED and reported["budget"] == plan.budget
+    assert f"rbcompile_quality_ceiling_budget {float(plan.budget)}" in metrics
+
+
+def test_the_controller_times_light_steps_without_their_checks(llama):
+    """A checked step's full-path forward is the check's cost, not the light plan's: the
+    decode-step latency the policy sees leaves it out."""
+    import time
+
+    llama.guard = QualityGuard(math.inf, allow_unmeasured=True)
+    try:
+        engine = llama.batch_engine(max_batch=2)
+        decoder = llama.decoder
+
+        def slow_full_path(*inputs, gates=None):
+            if gates is None and engine.running:
+                time.sleep(0.2)
+            return decoder(*inputs, gates=gates)
+        engine.step_fn = slow_full_path
+        loop = QualityLoop(llama, QualityLoopConfig(check_every=1, window=8, min_checks=8))
+        controller = DecodeController(engine, StaticPolicy(0.5), 0.1, memory=lambda: 0.5,
+                                      period_s=0.0, quality_loop=loop)
+        engine.submit(EngineRequest([5, 6, 7, 8], 6))
+        steps = []
+        controller.steps.record = lambda seconds, **_: steps.append(seconds)
+        while engine.has_work:
+            engine.step()
+    finally:
+        llama.guard = QualityGuard()
+    assert loop.checked_rows == 5 and len(steps) == 5 and max(steps) < 0.2
