@@ -270,9 +270,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-file", metavar="DIR", help="ppo: a folder written by train-policy")
     _guard_options(p)
     p.add_argument("--quality-check-every", type=int, default=16, metavar="N",
-                   help="decoders: run the full path beside one light decode step in N and "
-                   "withhold a plan whose live agreement falls under the guard (default 16; "
-                   "0: no checks)")
+                   help="decoders: run the full path beside each light decode step of a plan "
+                   "until 64 of its rows are compared, then one in N, and withhold a plan whose "
+                   "live agreement is under the guard (default 16; 0: no checks)")
     _placement_options(p, "serve on this device (default cpu)",
                        "must be the dtype the artifact was compiled in (a check)")
     p.add_argument("--compile-plans", action="store_true", help="run the model and the decoder "

@@ -458,9 +458,13 @@ class BatchEngine:
 
     def _gates(self, requests: list[EngineRequest]):
         """The gates of the smallest budget among `requests` (the running rows, or a group), one
-        without a budget of its own taking the engine's (None, the full path, beats any); each
-        request notes the budget it ran."""
-        return self.gates_for_budget(self._budget(requests))
+        without a budget of its own taking the engine's (None, the full path, beats any), for a
+        prefill: an unmeasured plan the controller's checks have not yet passed prefills on
+        the full path (its decode steps are checked; a prefill is not)."""
+        budget = self._budget(requests)
+        if budget and self.controller is not None:
+            budget = self.controller.prefill_budget(budget)
+        return self.gates_for_budget(budget)
 
     def _budget(self, requests: list[EngineRequest]) -> float | None:
         """The smallest budget among `requests` (see `_gates`), bounded by the controller's
@@ -475,18 +479,19 @@ class BatchEngine:
 
     def _checked_step(self, inputs: tuple, budget: float | None) -> torch.Tensor:
         """The decode step's logits under the plan of `budget`. When the controller asks for a
-        quality check of a light step, the full path runs the same step first and the
-        controller hears how many rows' top-1 tokens agree; the light step runs second, so the
-        cache holds its K/V, as if it had run alone."""
+        quality check of a light step, the light step runs, then the full path on the same
+        step, and the controller hears how many rows' top-1 tokens agree; the step's tokens
+        and its K/V (the full forward writes the same slots last) are then the full path's, so
+        a checked step loses nothing."""
         active, gates = len(self.running), self.gates_for_budget(budget)
         if gates is None or all(gates) or self.controller is None or \
-                not self.controller.check_due():
+                not self.controller.check_due(budget):
             return self.step_fn(*inputs, gates=gates)[:active]
+        light = self.step_fn(*inputs, gates=gates)[:active, 0].argmax(-1).tolist()
         started = perf_counter()
-        full = self.step_fn(*inputs, gates=None)[:active, 0].argmax(-1).tolist()
+        logits = self.step_fn(*inputs, gates=None)[:active]
         self._check_s = perf_counter() - started   # not the step's: the controller times light
-        logits = self.step_fn(*inputs, gates=gates)[:active]
-        light = logits[:, 0].argmax(-1).tolist()
+        full = logits[:, 0].argmax(-1).tolist()
         self.controller.checked(budget, sum(a == b for a, b in zip(light, full)), active)
         return logits
 

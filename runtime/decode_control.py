@@ -73,9 +73,13 @@ class DecodeController:
         """The budget a request's own `budget` runs under the quality loop."""
         return self.quality_loop.bound(budget) if self.quality_loop else budget
 
-    def check_due(self) -> bool:
+    def prefill_budget(self, budget: float | None) -> float | None:
+        """The budget a prefill of `budget` runs under the quality loop."""
+        return self.quality_loop.prefill_budget(budget) if self.quality_loop else budget
+
+    def check_due(self, budget: float | None) -> bool:
         """Whether the engine checks this light decode step against the full path."""
-        return self.quality_loop is not None and self.quality_loop.check_due()
+        return self.quality_loop is not None and self.quality_loop.check_due(budget)
 
     def checked(self, budget: float | None, agreed: int, rows: int) -> None:
         """A checked light step: `agreed` of `rows` kept the full path's top-1 token."""

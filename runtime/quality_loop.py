@@ -6,8 +6,9 @@ for the budget a request brings:
 1. the compiled model's `QualityGuard` (rbcompile/guard.py): the plan of the largest budget
    at or under it whose measured quality loss (calibration, the decoder's plans) is within
    the guard; unmeasured plans only when the user allowed them;
-2. the live checks: one light decode step in `check_every` also runs the full path first
-   (engine.BatchEngine._checked_step) and counts the rows whose top-1 token agrees, per
+2. the live checks: every light decode step of a plan until it has `min_checks` compared
+   rows, then one in `check_every`, also runs the full path, whose tokens it then emits
+   (engine.BatchEngine._checked_step), and counts the rows whose top-1 token agrees, per
    decoder plan (its gates). When the last `window` compared rows of a plan (at least
    `min_checks`) show, with 95% confidence (the Wilson lower bound), that more of its tokens
    change than the guard's `max_quality_loss`, that plan is withheld for the rest of the run,
@@ -100,17 +101,34 @@ class QualityLoop:
                 self.withheld[plan.withheld] += 1
         return plan.budget or None
 
+    def prefill_budget(self, budget: float | None) -> float | None:
+        """`bound`, except that, with checks on, an unmeasured plan prefills on the full path
+        until its checks have `min_checks` rows (decode steps are checked, prefills are not)."""
+        plan = self.plan(budget)
+        if plan.lossy and plan.quality_loss is None and self.config.check_every:
+            with self._lock:
+                window = self._rows.get(self._gates(plan.budget))
+                if window is None or len(window) < self.config.min_checks:
+                    return None
+        return plan.budget or None
+
     def ceiling_budget(self) -> float:
         """The largest budget that runs as asked now."""
         return self.plan(1.0).budget
 
-    def check_due(self) -> bool:
-        """Called before each light decode step: whether to check this one."""
+    def check_due(self, budget: float | None) -> bool:
+        """Called before each light decode step of `budget`: whether to check it. Every step
+        of a plan with fewer than `min_checks` compared rows (a new plan gets its verdict in a
+        few steps), then one in `check_every`."""
         if not self.config.check_every:
             return False
+        gates = self._gates(budget or 0.0)
         with self._lock:
+            window = self._rows.get(gates)
+            if window is None or len(window) < self.config.min_checks:
+                return True
             self._light_steps += 1
-            return self._light_steps % self.config.check_every == 1 % self.config.check_every
+            return self._light_steps % self.config.check_every == 0
 
     def checked(self, budget: float | None, agreed: int, rows: int) -> None:
         """A checked step of `budget`: `agreed` of `rows` kept the full path's top-1 token."""

@@ -242,31 +242,34 @@ def test_sampled_agreement_checks_withhold_a_plan_that_disagrees(llama):
             budgets.append(engine.budget)
     finally:
         llama.guard = QualityGuard()
-    assert budgets[0] == 0.5 and not all(gates[0]) and controller.decision.budget == 0.5
+    assert budgets[0] == 0.5 and controller.decision.budget == 0.5
+    assert gates[0] is None                                # an unverified plan prefills full
+    assert any(g is not None and not all(g) for g in gates)   # its decode steps ran light
     assert gates[-1] is None or all(gates[-1])   # the decoder's full path again
     assert loop.checked_rows >= 8 and loop.agreed_rows == 0 and loop.agreement() == 0.0
     assert loop.ceiling < 0.5 and loop.withheld[OBSERVED] > 0
 
 
-def test_sampled_checks_leave_an_agreeing_plan_and_the_cache_as_the_light_path_alone(llama):
-    """Checked light steps emit the tokens the light path gives unchecked (the full step runs
-    first and the light step overwrites its K/V)."""
+def test_an_unmeasured_plan_runs_the_full_path_until_its_checks_pass(llama):
+    """A new unmeasured plan prefills on the full path, and each checked decode step's tokens
+    and K/V are the full path's: with every step checked, the run is the full path's, token
+    for token (its verdict, all the while, comes from the light forwards)."""
     llama.guard = QualityGuard(max_quality_loss=math.inf, allow_unmeasured=True)
     try:
-        tokens = {}
-        for every in (0, 1):
-            engine = llama.batch_engine(max_batch=2)
-            loop = QualityLoop(llama, QualityLoopConfig(check_every=every, window=8, min_checks=8))
-            DecodeController(engine, StaticPolicy(0.5), 0.1, memory=lambda: 0.5, period_s=0.0,
-                             quality_loop=loop)
-            request = engine.submit(EngineRequest([5, 6, 7, 8], 16))
-            while engine.has_work:
-                engine.step()
-            tokens[every] = request.tokens
-        assert loop.checked_rows == 15 and loop.ceiling == 1.0
+        engine = llama.batch_engine(max_batch=2)
+        loop = QualityLoop(llama, QualityLoopConfig(check_every=1, window=64, min_checks=64))
+        DecodeController(engine, StaticPolicy(0.5), 0.1, memory=lambda: 0.5, period_s=0.0,
+                         quality_loop=loop)
+        request = engine.submit(EngineRequest([5, 6, 7, 8], 16))
+        while engine.has_work:
+            engine.step()
+        assert loop.checked_rows == 15 and loop.ceiling == 1.0 and request.budget_run == 0.5
+        assert loop.prefill_budget(0.5) is None    # 15 rows: not yet verified
+        loop.checked(0.5, 64, 64)
+        assert loop.prefill_budget(0.5) == 0.5
     finally:
         llama.guard = QualityGuard()
-    assert tokens[0] == tokens[1]
+    assert request.tokens == llama.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=16).tokens[0]
 
 
 def test_cli_run_says_when_the_guard_withholds_a_budget(llama, tmp_path, capsys):
@@ -382,3 +385,18 @@ def test_the_controller_times_light_steps_without_their_checks(llama):
     finally:
         llama.guard = QualityGuard()
     assert loop.checked_rows == 5 and len(steps) == 5 and max(steps) < 0.2
+
+
+def test_a_new_plan_is_checked_every_step_until_it_has_its_rows(llama):
+    llama.guard = QualityGuard(math.inf, allow_unmeasured=True)
+    try:
+        loop = QualityLoop(llama, QualityLoopConfig(check_every=3, window=8, min_checks=4))
+        due = []
+        for _ in range(8):
+            due.append(loop.check_due(0.5))
+            if due[-1]:
+                loop.checked(0.5, 2, 2)
+        assert due == [True, True, False, False, True, False, False, True]
+        assert loop.check_due(0.2)          # another plan (other gates): a verdict of its own
+    finally:
+        llama.guard = QualityGuard()
