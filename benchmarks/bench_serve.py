@@ -246,13 +246,14 @@ def count_tokens(record: dict, tokenizer, max_tokens: int) -> tuple[int, str]:
 
 
 def read_metrics(base_url: str) -> dict[str, float]:
-    """The server's /metrics (Prometheus text): unlabelled samples, name -> value."""
+    """The server's /metrics (Prometheus text): samples, name (with its labels, as written:
+    `name{label="value"}`) -> value."""
     with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=10) as r:
         text = r.read().decode()
     values = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if line and not line.startswith("#") and "{" not in name:
+        name, _, value = line.rpartition(" ")
+        if line and not line.startswith("#"):
             with contextlib.suppress(ValueError):
                 values[name] = float(value)
     return values

@@ -18,12 +18,16 @@ server (continuous batching, serve's defaults otherwise):
 Reported per contender: requests sent, served, shed (HTTP 503, the watermarks or the queue),
 lost (anything else: an error, or a stream that did not finish), throughput (served requests /
 s over the day), end-to-end latency p50 / p99, TTFT p99, decode-step latency p99 (chunk gaps),
-the mean budget the controller set (/metrics sampled every second), and quality against the
-full path: the share of requests whose text equals static-full's, and the mean share of
-static-full's tokens that match position by position.
+the mean budget the controller set (/metrics sampled every second), the controller decisions
+the quality guard withheld and the top-1 agreement of its sampled checks (/metrics at the end of
+the day), and quality against the full path: the share of requests whose text equals
+static-full's, and the mean share of static-full's tokens that match position by position.
+The adaptive contenders serve with --max-quality-loss (default: serve's) and, with
+--allow-unmeasured-plans, may run unmeasured plans.
 
     python benchmarks/bench_serve_tidal.py --artifact build/smollm2-135m [--day-s 120]
-        [--peak-load 1.2] [--new-tokens 32] [--ppo DIR] [--json PATH] [--smoke]
+        [--peak-load 1.2] [--new-tokens 32] [--ppo DIR] [--max-quality-loss L]
+        [--allow-unmeasured-plans] [--json PATH] [--smoke]
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -97,9 +102,17 @@ async def capacity(endpoint: Endpoint, prompts: list[str], streams: int, seconds
     return len(done) / (time.perf_counter() - start), statistics.median(gaps(done))
 
 
-async def replay(endpoint: Endpoint, trace, prompts: list[str], new_tokens: int) -> tuple[list, list]:
-    """Every request of the trace at its second (QoS in the rbcompile object); the records in
-    trace order, and the budget gauge sampled every second."""
+@dataclass
+class Day:
+    """One contender's day: the records in trace order, the budget gauge sampled every
+    second, and /metrics at the end."""
+    records: list[dict]
+    budgets: list[float]
+    metrics: dict[str, float]
+
+
+async def replay(endpoint: Endpoint, trace, prompts: list[str], new_tokens: int) -> Day:
+    """Every request of the trace at its second (QoS in the rbcompile object)."""
     start, budgets = time.perf_counter(), []
 
     async def one(index, at, qos):
@@ -118,7 +131,7 @@ async def replay(endpoint: Endpoint, trace, prompts: list[str], new_tokens: int)
         records = await asyncio.gather(*(one(i, at, qos) for i, (at, qos) in enumerate(trace)))
     finally:
         sampler.cancel()
-    return records, budgets
+    return Day(records, budgets, read_metrics(endpoint.base_url))
 
 
 def agreement(records: list[dict], reference: list[dict], tokenizer) -> tuple[float, float]:
@@ -137,8 +150,9 @@ def agreement(records: list[dict], reference: list[dict], tokenizer) -> tuple[fl
     return same, sum(matched) / len(matched)
 
 
-def summarise(name: str, records: list[dict], budgets: list[float], day_s: float,
-              reference: list[dict] | None, tokenizer) -> dict:
+def summarise(name: str, day: Day, day_s: float, reference: list[dict] | None,
+              tokenizer) -> dict:
+    records, budgets, metrics = day.records, day.budgets, day.metrics
     served = [r for r in records if not r["error"]]
     shed = sum(r["status"] == 503 for r in records)
     latencies = sorted(r["done"] - r["sent"] for r in served)
@@ -150,7 +164,39 @@ def summarise(name: str, records: list[dict], budgets: list[float], day_s: float
             "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
             "ttft_p99_s": percentile(ttft, 99), "step_p99_s": percentile(sorted(gaps(served)), 99),
             "mean_budget": statistics.fmean(budgets) if budgets else 0.0,
+            "withheld": sum(v for k, v in metrics.items()
+                            if k.startswith("rbcompile_lossy_plans_withheld_total")),
+            "checked_rows": metrics.get("rbcompile_quality_checked_rows_total", 0.0),
+            "checked_agreement": metrics.get("rbcompile_quality_sampled_agreement", math.nan),
             "same_text": same, "token_agreement": tokens}
+
+
+def print_rows(rows: list[dict]) -> None:
+    """The contenders' table, then the targets (issue 16: nothing lost; issue 42: the adaptive
+    contenders' texts equal the full path's on >= 95% of requests, p99 beside the full path's)."""
+    ms = lambda v: "-" if v is None else f"{1e3 * v:.0f}"  # noqa: E731
+    print_table([{**row, "throughput_rps": f"{row['throughput_rps']:.2f}",
+                  "latency_p50_s": ms(row["latency_p50_s"]), "latency_p99_s": ms(row["latency_p99_s"]),
+                  "ttft_p99_s": ms(row["ttft_p99_s"]), "step_p99_s": ms(row["step_p99_s"]),
+                  "mean_budget": f"{row['mean_budget']:.2f}", "same_text": f"{row['same_text']:.0%}",
+                  "withheld": f"{row['withheld']:.0f}",
+                  "checked_agreement": f"{row['checked_agreement']:.1%} of {row['checked_rows']:.0f}",
+                  "token_agreement": f"{row['token_agreement']:.0%}"} for row in rows],
+                [("contender", "contender"), ("requests", "sent"), ("served", "served"),
+                 ("shed", "shed 503"), ("lost", "lost"), ("throughput_rps", "req/s"),
+                 ("latency_p50_s", "p50 ms"), ("latency_p99_s", "p99 ms"),
+                 ("ttft_p99_s", "TTFT p99"), ("step_p99_s", "step p99"),
+                 ("mean_budget", "budget"), ("withheld", "withheld"),
+                 ("checked_agreement", "checked agree"), ("same_text", "same text"),
+                 ("token_agreement", "tokens agree")])
+    lost = sum(row["lost"] for row in rows)
+    print(f"Target (issue 16): zero lost admitted requests over the tidal day: "
+          f"{'met' if lost == 0 else f'missed ({lost} lost)'}")
+    for row in rows[1:]:
+        print(f"Target (issue 42): {row['contender']}'s texts equal {FULL}'s on >= 95% of "
+              f"requests: {'met' if row['same_text'] >= 0.95 else 'missed'} "
+              f"({row['same_text']:.1%}); p99 {ms(row['latency_p99_s'])} ms vs "
+              f"{ms(rows[0]['latency_p99_s'])} ms")
 
 
 def main() -> None:
@@ -165,6 +211,11 @@ def main() -> None:
     parser.add_argument("--slo-ms", type=float, help="pid's decode-step objective (default: "
                         "the --ppo policy's, else 1.5x the step p50 measured at capacity)")
     parser.add_argument("--ppo", metavar="DIR", help="add the ppo contender with this policy")
+    parser.add_argument("--max-quality-loss", type=float,
+                        help="the adaptive contenders' quality guard (default: serve's)")
+    parser.add_argument("--allow-unmeasured-plans", action="store_true",
+                        help="the adaptive contenders may run unmeasured plans (the live "
+                        "agreement checks still bound them)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=300)
@@ -210,6 +261,11 @@ def main() -> None:
     if args.ppo:
         contenders["ppo"] = ["--policy", "ppo", "--policy-file", args.ppo,
                              "--slo-ms", f"{ppo_slo_ms:.1f}"]
+    for name in contenders.keys() - {FULL}:
+        if args.max_quality_loss is not None:
+            contenders[name] += ["--max-quality-loss", f"{args.max_quality_loss:g}"]
+        if args.allow_unmeasured_plans:
+            contenders[name].append("--allow-unmeasured-plans")
 
     async def day(base):
         endpoint = Endpoint(*base)
@@ -224,35 +280,21 @@ def main() -> None:
     for name, extra in contenders.items():
         with step(f"{name}: replaying the day ({len(trace)} requests)"), serve(name, extra) as base:
             results[name] = asyncio.run(day(base))
-    rows = [summarise(name, records, budgets, args.day_s,
-                      None if name == FULL else results[FULL][0], tokenizer)
-            for name, (records, budgets) in results.items()]
+    rows = [summarise(name, result, args.day_s,
+                      None if name == FULL else results[FULL].records, tokenizer)
+            for name, result in results.items()]
 
     print(f"\nTidal day over HTTP: {len(trace)} requests in {args.day_s:.0f} s, arrival rate "
           f"{peak / SWING:.2f} -> {peak:.2f} -> {peak / SWING:.2f} req/s ({args.peak_load}x the "
           f"full path's {full_rps:.2f} req/s); {args.new_tokens} new tokens each; quality is "
           f"agreement with {FULL}'s greedy text")
-    ms = lambda v: "-" if v is None else f"{1e3 * v:.0f}"  # noqa: E731
-    print_table([{**row, "throughput_rps": f"{row['throughput_rps']:.2f}",
-                  "latency_p50_s": ms(row["latency_p50_s"]), "latency_p99_s": ms(row["latency_p99_s"]),
-                  "ttft_p99_s": ms(row["ttft_p99_s"]), "step_p99_s": ms(row["step_p99_s"]),
-                  "mean_budget": f"{row['mean_budget']:.2f}", "same_text": f"{row['same_text']:.0%}",
-                  "token_agreement": f"{row['token_agreement']:.0%}"} for row in rows],
-                [("contender", "contender"), ("requests", "sent"), ("served", "served"),
-                 ("shed", "shed 503"), ("lost", "lost"), ("throughput_rps", "req/s"),
-                 ("latency_p50_s", "p50 ms"), ("latency_p99_s", "p99 ms"),
-                 ("ttft_p99_s", "TTFT p99"), ("step_p99_s", "step p99"),
-                 ("mean_budget", "budget"), ("same_text", "same text"),
-                 ("token_agreement", "tokens agree")])
-    lost = sum(row["lost"] for row in rows)
-    print(f"Target (issue 16): zero lost admitted requests over the tidal day: "
-          f"{'met' if lost == 0 else f'missed ({lost} lost)'}")
+    print_rows(rows)
     say(f"load average at end: {_uptime()}")
     path = write_json("bench_serve_tidal", {"args": vars(args), "capacity_rps": full_rps, "step_p50_s": step_p50,
                       "slo_ms": slo_ms, "ppo_slo_ms": ppo_slo_ms, "peak_rps": peak, "trace": trace,
                       "summary": rows,
-                      "records": {name: records for name, (records, _) in results.items()},
-                      "budgets": {name: budgets for name, (_, budgets) in results.items()}},
+                      "records": {name: result.records for name, result in results.items()},
+                      "budgets": {name: result.budgets for name, result in results.items()}},
                       args.json)
     print(f"\nwrote {path}")
 

@@ -25,14 +25,19 @@ def pin_threads(threads: int) -> None:
 
 def load_with_eager(name: str):
     """(CompiledModel, eager transformers model) of an artifact folder or a bundled name
-    (compiled here, without calibration)."""
+    (compiled here, without calibration). Every plan may run (rbcompile/guard.py): the
+    benchmarks time plans and measure their quality beside them."""
     import rbcompile
+    from rbcompile.guard import UNGUARDED
     from rbcompile.models import load_hf_model, resolve_checkpoint
 
     if Path(name).is_dir():
         compiled = rbcompile.load(name)
-        return compiled, load_hf_model(resolve_checkpoint(compiled.manifest["source"]["path"]))
-    return rbcompile.compile(name), load_hf_model(resolve_checkpoint(name))
+        eager = load_hf_model(resolve_checkpoint(compiled.manifest["source"]["path"]))
+    else:
+        compiled, eager = rbcompile.compile(name), load_hf_model(resolve_checkpoint(name))
+    compiled.guard = UNGUARDED
+    return compiled, eager
 
 
 def text_windows(tokenizer, batch: int, seq: int, file: str = "emma-excerpt.txt"):

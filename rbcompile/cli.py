@@ -399,6 +399,9 @@ def _cmd_inspect(args) -> None:
                     if r["id"] in narrowed]
         print(f"budget {args.budget}: skips {len(skipped)} regions, narrows {len(narrowed)} = "
               f"{saved:.1%} of prunable FLOPs" + (f" ({', '.join(actions)})" if actions else ""))
+        if not manifest.get("plans") and saved > 0:
+            print("  unmeasured: run and serve withhold it (the full path runs) unless "
+                  "--allow-unmeasured-plans")
 
 
 def _print_plans(manifest: dict) -> None:

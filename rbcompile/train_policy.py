@@ -289,6 +289,15 @@ class _StepTimer:
     def step_done(self, seconds: float, confidences: list[float]) -> None:
         self.steps.append(seconds)
 
+    def bound(self, budget: float | None) -> float | None:
+        return budget   # the table measures each plan as asked
+
+    def prefill_budget(self, budget: float | None) -> float | None:
+        return budget
+
+    def check_due(self, budget: float | None) -> bool:
+        return False
+
 
 def _decode_latency(compiled, inputs: _Inputs, budgets: list[float], max_batch: int):
     """Per budget, (batch size, context, median decode-step seconds) and (prompts, prompt

@@ -285,6 +285,17 @@ def test_cli_run_says_when_the_guard_withholds_a_budget(llama, tmp_path, capsys)
     assert out.err.count("warning: --allow-unmeasured-plans") == 1
     assert main(args + ["--max-quality-loss", "-1"]) == 2
     assert "--max-quality-loss must be >= 0" in capsys.readouterr().err
+    assert main(["inspect", str(artifact), "--budget", "0.5"]) == 0
+    assert "unmeasured: run and serve withhold it" in capsys.readouterr().out
+
+
+def test_inspect_lists_each_plans_measured_losses(calibrated, tmp_path, capsys):
+    assert main(["inspect", str(calibrated.save(tmp_path / "artifact"))]) == 0
+    out = capsys.readouterr().out
+    for plan in calibrated.plans[1:]:
+        assert (f"plan {plan['budget']:g}: skips {plan['skipped_share']:.1%} of prunable FLOPs, "
+                f"quality loss {plan['quality_loss']:.3f}, decoder "
+                f"{plan['decoder_quality_loss']:.3f}") in out
 
 
 def test_cli_serve_says_at_start_what_its_guard_allows(llama, tmp_path, monkeypatch, capsys):
