@@ -36,10 +36,11 @@ class SamplingConfig:
             raise UserError(f"top_k must be >= 1, got {self.top_k}")
 
     def generator(self, device) -> torch.Generator | None:
-        """A generator seeded with `seed` (None: torch's global one)."""
+        """A generator seeded with `seed` (None: torch's global one); any integer, taken modulo
+        2**64 (torch's range; a negative seed means what torch makes of it)."""
         if self.seed is None:
             return None
-        return torch.Generator(device=device).manual_seed(self.seed)
+        return torch.Generator(device=device).manual_seed(self.seed % 2**64)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., vocab] logits -> the filtered distribution sampling draws from (fp32)."""

@@ -39,11 +39,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException
 
 from rbcompile.engine import EngineRequest
-from rbcompile.errors import UserError, first_line
+from rbcompile.errors import UserError, check_unicode, first_line
 from rbcompile.generation import SPECULATE_MODES
 from rbcompile.prefix_cache import PrefixCache
 from rbcompile.runtime.admission import QOS_CLASSES, Overloaded, Watermarks, admit
@@ -94,6 +94,16 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value):
+        """Strings (and lists of them) must encode as UTF-8: a lone surrogate ("\\ud800" in
+        JSON) is a 400 naming the field, never the tokenizer's error."""
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                check_unicode(text, "the text")
+        return value
 
 
 class CompletionExtension(_Strict):
@@ -607,13 +617,16 @@ def _validation_error(errors: list[dict]) -> ApiError:
     joined with 'or')."""
     param = _param(errors[0]["loc"])
     kind = errors[0]["type"]
-    if kind == "extra_forbidden":
-        return ApiError(400, f"unknown field '{param}'", param)
+    if kind == "extra_forbidden":   # the field's own name, whatever its characters
+        parent, name = _param(errors[0]["loc"][:-1]), ascii(str(errors[0]["loc"][-1]))[1:-1]
+        name = f"{parent}.{name}" if parent else name
+        return ApiError(400, f"unknown field '{name}'", name)
     if kind == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {errors[0]['msg']}")
     if param is None:
         return ApiError(400, f"the body must be a JSON object: {errors[0]['msg']}")
-    reasons = dict.fromkeys(first_line(e["msg"]) for e in errors if _param(e["loc"]) == param)
+    reasons = dict.fromkeys(first_line(e["msg"]).removeprefix("Value error, ")
+                            for e in errors if _param(e["loc"]) == param)
     return ApiError(400, f"'{param}': {' or '.join(reasons)}", param)
 
 
