@@ -275,9 +275,10 @@ class CompiledModel:
         as tokens are accepted (its `.result()` afterwards).
 
         `budget` runs the MLPs of that budget's plan (attention always runs: it writes the
-        cache), under `guard` (its decoder's measured loss). `speculate`: "off", "ngram" (prompt lookup), "self" (drafts from the light path
-        of `draft_budget`, verified by the full path), "auto" (picks per request from live
-        acceptance, off when drafting does not pay). `draft_budget` defaults to the plan
+        cache), under `guard` (its decoder's measured loss). `speculate`: "off", "ngram"
+        (prompt lookup), "self" (drafts from the light path of `draft_budget`, verified by the
+        full path), "auto" (picks per request from live acceptance, off when drafting does not
+        pay). `draft_budget` defaults to the plan
         calibration chose (`decoder.draft`; "auto" leaves self-drafting out when calibration
         found that no plan pays), else SELF_DRAFT_BUDGET. Greedy output is the full path's
         token for token whatever the drafter; sampling keeps its distribution.

@@ -21,9 +21,11 @@ from .plans import check_budget, within_budget
 DEFAULT_MAX_QUALITY_LOSS = 0.03
 
 FORWARD, DECODER = "quality_loss", "decoder_quality_loss"   # the plan keys of each path
-OVER_GUARD, UNMEASURED = "over_guard", "unmeasured"   # why a plan was withheld
+# why a plan was withheld: its measured loss, no measurement, or serve's live checks
+OVER_GUARD, UNMEASURED, OBSERVED = "over_guard", "unmeasured", "observed"
 _WHY = {OVER_GUARD: "its measured quality loss is over the guard",
-        UNMEASURED: "its plan was never measured"}
+        UNMEASURED: "its plan was never measured",
+        OBSERVED: "its live agreement checks were under the guard"}
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class GuardedPlan:
     requested: float | None     # the budget asked for (None: none asked)
     budget: float               # the budget of the plan that runs (0.0: the full path)
     quality_loss: float | None  # that plan's measured loss (0.0 for the full path; None: unmeasured)
-    withheld: str | None = None  # why a lossier plan was refused: OVER_GUARD or UNMEASURED
+    withheld: str | None = None  # why a lossier plan was refused: OVER_GUARD, UNMEASURED, OBSERVED
 
     @property
     def lossy(self) -> bool:

@@ -24,9 +24,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from ..guard import DECODER, OVER_GUARD, UNMEASURED, GuardedPlan, guard_budget
+from ..guard import DECODER, OBSERVED, OVER_GUARD, UNMEASURED, GuardedPlan, guard_budget
 
-OBSERVED = "observed"   # a withheld reason beside guard.OVER_GUARD and guard.UNMEASURED
 CONFIDENCE_Z = 1.645    # one-sided 95%
 
 
@@ -63,6 +62,7 @@ class QualityLoop:
         self.checked_rows = self.agreed_rows = 0
         self._light_steps = 0
         self._failed: set[tuple[bool, ...]] = set()          # decoder gates withheld live
+        self._gates_of: dict[float, tuple[bool, ...]] = {}   # budget -> its decoder gates
         self._rows: dict[tuple[bool, ...], deque[bool]] = {}
         self._recent: deque[bool] = deque(maxlen=config.window)
         self._lock = threading.Lock()
@@ -154,5 +154,8 @@ class QualityLoop:
             return sum(self._recent) / len(self._recent) if self._recent else 1.0
 
     def _gates(self, budget: float) -> tuple[bool, ...]:
-        """The decoder gates a budget's plan runs (() for the full path)."""
-        return tuple(self.compiled.decoder_gates(budget) or ())
+        """The decoder gates a budget's plan runs (() for the full path), worked out once per
+        budget (the engine asks at every forward)."""
+        if budget not in self._gates_of:
+            self._gates_of[budget] = tuple(self.compiled.decoder_gates(budget) or ())
+        return self._gates_of[budget]

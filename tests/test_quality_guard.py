@@ -13,7 +13,7 @@ import rbcompile
 from rbcompile.cli import main
 from rbcompile.compiled import QualityGuardWarning
 from rbcompile.engine import EngineRequest
-from rbcompile.guard import (DECODER, FORWARD, OVER_GUARD, UNGUARDED, UNMEASURED, QualityGuard,
+from rbcompile.guard import (DECODER, OVER_GUARD, UNGUARDED, UNMEASURED, QualityGuard,
                              guard_budget, lossy_budgets)
 from rbcompile.quality import quality_loss
 from rbcompile.runtime.decode_control import DecodeController
