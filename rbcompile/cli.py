@@ -14,6 +14,7 @@ from functools import partial
 
 from .atomic import commits, note_stop
 from .errors import check_unicode, first_line
+from .serve_options import add_limit_options, limits_from
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -246,10 +247,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API "
                    "key every request but /health must send as 'Authorization: Bearer KEY'")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="largest request body (default 1048576)")
-    p.add_argument("--max-tokens-limit", type=int, default=1024,
-                   help="largest max_tokens a completion may ask for (default 1024)")
+    add_limit_options(p)
     p.add_argument("--max-batch", type=int, default=16, help="decoders: most completions decoded "
                    "together, continuously batched (default 16; 1: one after another)")
     p.add_argument("--prefix-cache-mb", type=float, default=256, help="decoders: MiB of prompt-"
@@ -650,8 +648,8 @@ def _cmd_serve(args) -> None:
     api_key = _serve_api_key(args)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0-65535, got {args.port}")
-    if args.max_body_bytes < 1 or args.max_tokens_limit < 1 or args.max_batch < 1:
-        raise UserError("--max-body-bytes, --max-tokens-limit and --max-batch must be >= 1")
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     for option in ("prefix_cache_mb", "result_cache_mb"):
         if not getattr(args, option) >= 0:
             raise UserError(f"--{option.replace('_', '-')} must be >= 0, got {getattr(args, option)}")
@@ -665,12 +663,14 @@ def _cmd_serve(args) -> None:
     if args.replicas is not None or args.ray_address or args.replica_cpus is not None:
         raise UserError("--replicas, --ray-address and --replica-cpus go with --ray")
     try:
-        import uvicorn
-        from rbcompile.runtime.http import ServeLimits, create_app
+        from rbcompile.runtime import connections
+        from rbcompile.runtime.http import create_app
         from rbcompile.runtime.quality_loop import QualityLoopConfig
     except ImportError as exc:
         raise UserError(f"rbcompile serve needs the 'serve' extra ({exc.name} is missing): "
                         "pip install 'rbcompile[serve]'") from None
+    limits, connection_limits = limits_from(args)
+    sock = connections.bind(args.host, args.port)   # a port in use: refused before loading
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
     _quality_guard(args, model)
     if args.compile_plans:
@@ -678,7 +678,6 @@ def _cmd_serve(args) -> None:
     if args.cuda_graphs:
         model.use_cuda_graphs()
     policy = _serve_policy(args, max(_serving_budgets(model), default=0.0))
-    limits = ServeLimits(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit)
     app = create_app(model, api_key=api_key, limits=limits, max_batch=args.max_batch,
                      prefix_cache_mb=args.prefix_cache_mb, prefill_chunk=args.prefill_chunk or None,
                      result_cache_mb=args.result_cache_mb, policy=policy, slo_s=args.slo_ms / 1000,
@@ -686,8 +685,8 @@ def _cmd_serve(args) -> None:
     print(f"quality guard: max quality loss {args.max_quality_loss:g}; {_guard_leaves(model)}",
           file=sys.stderr)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    _serve_until_signalled(partial(uvicorn.run, app, host=args.host, port=args.port, log_level="info"))
+          f"http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr)
+    _serve_until_signalled(partial(connections.serve, app, sock, connection_limits))
 
 
 def _serve_ray(args, api_key: str | None) -> None:

@@ -6,12 +6,13 @@ Calls go one way. `sample_and_vote` submits the k samples to a `BatchEngine` as 
 prefill, its row forked into k rows, sample i seeded `seed + i`); as each row finishes, its text
 goes to the `Voter` (extract -> normalise -> tally into clusters), and once the vote is decided
 the rows still running are cancelled (with `draw='waves'`, samples are drawn a few at a time
-and a decided vote leaves the rest undrawn). `route_and_vote` / `RoutedGroup` are
+and a decided vote leaves the rest undrawn). `RoutedGroup` is
 `consistency='auto'`: the greedy row's prefill logits and the prompt go to the complexity router
 (consistency_router.py), which picks 1, 3 or 7 samples. With an `embed` callable, answers
 whose embeddings have a cosine at or above a threshold are merged into one cluster before
 counting (near-duplicates: "paris" and "paris france"); answers with a digit are only compared
-exactly (an embedding finds "7" and "8" alike).
+exactly (an embedding finds "7" and "8" alike). `start_vote` puts a vote on any engine:
+`generate` steps one of its own, `serve` the shared one, whose other rows keep decoding.
 """
 from __future__ import annotations
 
@@ -425,7 +426,7 @@ class SampleGroup:
                  budget: float | None = None, options: VoteOptions = VoteOptions(),
                  on_token: Callable[[int], None] | None = None, keep_first_logits: bool = False,
                  lead=None):
-        from .engine import EngineRequest
+        from .requests import EngineRequest
 
         if engine.decode is None:
             raise UserError("self-consistency needs the artifact's tokenizer (answers are "
@@ -498,6 +499,14 @@ class SampleGroup:
         elif len(self.voted) == self.drawn:
             self._draw()
 
+    def cancel(self) -> None:
+        """Stop the samples still running (a client gone); no wave is drawn after."""
+        self.waves = False
+        self.requests = self.requests[:self.drawn]
+        for request in self.requests:
+            if request.finish_reason is None:
+                self.engine.cancel(request)
+
     def result(self, stats: ConsistencyStats) -> ConsistencyResult:
         """Once `done`."""
         vote = self.voter.vote()
@@ -525,15 +534,19 @@ def _engine(compiled, k: int, prefix_cache):
 
 
 def _finish(engine, group, started: float) -> ConsistencyResult:
-    """Step `engine` until it is idle, then `group`'s result (a `SampleGroup` or
-    `RoutedGroup`)."""
+    """Step `engine` (the group's own) until it is idle, then `group`'s result."""
     while engine.has_work:
         engine.step()
+    return vote_result(group, started, engine.stats.prefills, engine.stats.decode_steps)
+
+
+def vote_result(group, started: float, prefills: int, decode_steps: int) -> ConsistencyResult:
+    """The result of a `SampleGroup` or `RoutedGroup` once `done`; `prefills` and
+    `decode_steps`: what the engine ran for it (or, on a shared engine, since it started)."""
     samples = getattr(group, "group", group)
     stats = ConsistencyStats(samples=len(samples.requests), voted=len(samples.voted),
-                             new_tokens=group.new_tokens, prefills=engine.stats.prefills,
-                             decode_steps=engine.stats.decode_steps,
-                             stopped_early=samples.voter.vote().early,
+                             new_tokens=group.new_tokens, prefills=prefills,
+                             decode_steps=decode_steps, stopped_early=samples.voter.vote().early,
                              seconds=perf_counter() - started, drawn=samples.drawn,
                              tier=getattr(group, "tier", None))
     return group.result(stats)
@@ -594,6 +607,11 @@ class RoutedGroup:
     def done(self) -> bool:
         return self.group.done
 
+    def cancel(self) -> None:
+        """Stop every row (a client gone); a tier not chosen yet is never drawn."""
+        self.tier = 1 if self.tier is None else self.tier
+        self.group.cancel()
+
     @property
     def new_tokens(self) -> int:
         """Every row's tokens (the greedy row is the vote's first member)."""
@@ -603,28 +621,8 @@ class RoutedGroup:
         return self.group.result(stats)
 
 
-def route_and_vote(compiled, prompt_ids, *, router, max_new_tokens: int,
-                   sampling: SamplingConfig, stop: list[str] | None = None,
-                   budget: float | None = None, options: VoteOptions = VoteOptions(),
-                   prefix_cache=None) -> ConsistencyResult:
-    """`consistency='auto'`: a `RoutedGroup` on an engine of its own (with a prefix cache, so
-    the samples reuse the greedy row's prompt K/V); `stats.tier` says what the router chose."""
-    _check_samples(max(router.tiers), sampling)
-    started = perf_counter()
-    engine = _engine(compiled, max(router.tiers), prefix_cache)
-    group = RoutedGroup(engine, [int(token) for token in prompt_ids], router,
-                        max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                        budget=budget, options=options)
-    return _finish(engine, group, started)
-
-
-def generate_voted(compiled, input_ids, attention_mask, consistency, *, vote: VoteOptions | None,
-                   speculate: str, stream: bool, **options) -> ConsistencyResult:
-    """`CompiledModel.generate(..., consistency=k or 'auto')`: checks the options (one-line
-    errors), then `sample_and_vote` (or `route_and_vote` with the artifact's router) on the one
-    prompt; `options` are sample_and_vote's."""
-    from .generation import _check_prompts
-
+def check_vote(consistency, *, speculate: str, stream: bool, sampling: SamplingConfig) -> None:
+    """A one-line UserError for options a vote does not take."""
     if consistency != "auto" and (type(consistency) is not int
                                   or consistency not in CONSISTENCY_SAMPLES):
         raise UserError(f"consistency must be 'off', 1, 3, 7 or 'auto', got {consistency!r}")
@@ -632,18 +630,41 @@ def generate_voted(compiled, input_ids, attention_mask, consistency, *, vote: Vo
         raise UserError(f"consistency={consistency} does not combine with speculate={speculate!r}")
     if stream:
         raise UserError("consistency does not stream: the answer is known once the vote is decided")
+    if consistency == "auto" and not sampling.do_sample:
+        raise UserError("consistency='auto' needs sampling (do_sample=True) for its 3- and "
+                        "7-sample tiers")
+
+
+def start_vote(compiled, engine, prompt: list[int], consistency, *, options: VoteOptions,
+               **sample_options):
+    """The samples of a vote on one prompt (token ids), submitted to `engine`, whose thread
+    (the caller's, or a server's model thread) must run this: a `SampleGroup` of
+    `consistency` samples, or for 'auto' a `RoutedGroup` with the artifact's router.
+    `sample_options`: SampleGroup's (max_new_tokens, sampling, stop, budget)."""
+    if consistency == "auto":
+        from .consistency_router import find_router
+
+        return RoutedGroup(engine, prompt, find_router(compiled, options.router), options=options,
+                           **sample_options)
+    _check_samples(consistency, sample_options["sampling"])
+    return SampleGroup(engine, prompt, consistency, options=options, **sample_options)
+
+
+def generate_voted(compiled, input_ids, attention_mask, consistency, *, vote: VoteOptions | None,
+                   speculate: str, stream: bool, prefix_cache=None, **options) -> ConsistencyResult:
+    """`CompiledModel.generate(..., consistency=k or 'auto')`: checks the options (one-line
+    errors), then the vote on the one prompt with an engine of its own (and a prefix cache,
+    so waves and 'auto''s samples reuse the prompt's K/V); `options` are SampleGroup's."""
+    from .generation import _check_prompts
+
+    check_vote(consistency, speculate=speculate, stream=stream, sampling=options["sampling"])
     prompt_ids, pads = _check_prompts(input_ids, attention_mask)
     if prompt_ids.shape[0] != 1:
         raise UserError(f"consistency votes over the samples of one prompt; got a batch of "
                         f"{prompt_ids.shape[0]}")
-    vote = vote or VoteOptions()
-    if consistency == "auto":
-        from .consistency_router import find_router
-
-        if not options["sampling"].do_sample:
-            raise UserError("consistency='auto' needs sampling (do_sample=True) for its 3- and "
-                            "7-sample tiers")
-        return route_and_vote(compiled, prompt_ids[0, int(pads[0]):],
-                              router=find_router(compiled, vote.router), options=vote, **options)
-    return sample_and_vote(compiled, prompt_ids[0, int(pads[0]):], consistency, options=vote,
-                           **options)
+    started = perf_counter()
+    engine = _engine(compiled, 7 if consistency == "auto" else max(consistency, 1), prefix_cache)
+    prompt = [int(token) for token in prompt_ids[0, int(pads[0]):]]
+    group = start_vote(compiled, engine, prompt, consistency, options=vote or VoteOptions(),
+                       **options)
+    return _finish(engine, group, started)

@@ -2,7 +2,7 @@
 every decode step (as vLLM and TGI do), each with its own sampling, stop conditions and budget.
 
 Calls go one way. `BatchEngine.step()` admits waiting requests, highest priority (QoS class)
-first, then by arrival, and prefills the newcomers together: one forward over their prompts,
+first, then the client holding the fewest rows, then by arrival (waiting.py), and prefills the newcomers together: one forward over their prompts,
 left-padded to the longest part not in the `PrefixCache` (at most `prefill_tokens` padded
 tokens, unless one prompt alone is longer), written straight into the `BatchKVCache` rows the
 requests will decode in, after the cached blocks of each prompt are copied there; each
@@ -36,10 +36,8 @@ cache masks each row's rejected slots (`BatchKVCache.advance_rows`).
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
-from dataclasses import dataclass, field
+from collections import Counter
 from time import perf_counter
 from typing import Callable
 
@@ -47,71 +45,15 @@ import torch
 
 from .drafters import NGramDrafter
 from .errors import UserError
-from .generation import RowTokens, StopCriteria, check_lengths, check_stop
-from .kv_cache import BatchKVCache, DecoderShape, copy_blocks, power_of_two_at_least, zeros
+from .generation import StopCriteria, check_lengths, check_stop
+from .kv_cache import (BatchKVCache, DecoderShape, copy_blocks, power_of_two_at_least,
+                       release_freed_memory, zeros)
 from .prefix_cache import PrefixCache
-from .sampling import SamplingConfig, verify
+from .requests import ChunkedPrefill, EngineRequest, EngineStats
+from .sampling import verify
+from .waiting import WaitingQueue
 
-
-@dataclass(eq=False)
-class EngineRequest:
-    """One prompt to complete. `on_token(token)` and `on_finish(request)` run on the engine's
-    thread; after `on_finish`, `finish_reason` is 'stop', 'length', 'cancelled' or 'error'
-    (with `error` set)."""
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingConfig = SamplingConfig()
-    stop: list[str] = field(default_factory=list)
-    budget: float | None = None
-    priority: int = 1               # lower first (QoS class: 0 interactive, 1 standard, 2 batch)
-    speculate: bool = False         # n-gram drafts verified in the batch step
-    on_token: Callable[[int], None] | None = None
-    on_finish: Callable[["EngineRequest"], None] | None = None
-    row: RowTokens = field(default_factory=lambda: RowTokens(0))
-    finish_reason: str | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
-    submitted: float = field(default_factory=perf_counter)
-    first_token_at: float | None = None
-    keep_first_logits: bool = False           # keep the prefill's logits (before `on_token`)
-    first_logits: torch.Tensor | None = None  # [vocab]: what its first token was drawn from
-    drafted: int = 0                # draft tokens verified (with `speculate`)
-    accepted: int = 0               # of those, kept
-    budget_run: float = 0.0         # the largest budget any forward it took part in ran
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.row.tokens
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine started."""
-    prefills: int = 0               # prompts prefilled (a group of samples counts once)
-    prefill_forwards: int = 0       # forwards that prefilled them (several prompts each)
-    prefill_chunks: int = 0         # of those, chunks of prompts longer than `prefill_chunk`
-    reused_prompt_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache
-    decode_steps: int = 0
-    decode_rows: int = 0       # rows summed over decode steps (mean batch = rows / steps)
-    speculative_steps: int = 0      # decode steps that verified drafts
-    drafted: int = 0
-    accepted: int = 0
-    tokens: int = 0
-    finished: int = 0
-
-
-@dataclass(eq=False)
-class ChunkedPrefill:
-    """A group whose prompt is being prefilled chunk by chunk: K/V [1, kv heads, prompt, head
-    dim] per cache tensor, the first `done` tokens' filled, under `gates`."""
-    group: list[EngineRequest]
-    kv: list[torch.Tensor]
-    gates: object
-    done: int = 0
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.group[0].prompt
+IDLE_CACHE_BYTES = 64 << 20
 
 
 class BatchEngine:
@@ -153,8 +95,7 @@ class BatchEngine:
         self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
         self.cache = BatchKVCache(shape, max_batch, block, power_of_two=batch_buckets,
                                   on_drop=release_cache)
-        self.waiting: list[tuple[int, int, EngineRequest]] = []   # a heap: priority, arrival
-        self.arrivals = itertools.count()
+        self.waiting = WaitingQueue()
         self.running: list[EngineRequest] = []        # running[i] decodes in cache row i
         self.chunked: ChunkedPrefill | None = None    # a long prompt being prefilled
         self.criteria: dict[EngineRequest, StopCriteria] = {}
@@ -163,6 +104,7 @@ class BatchEngine:
         self.stats = EngineStats()
         self.budget: float | None = None   # for requests without their own (a controller's)
         self.controller = None             # runtime.decode_control.DecodeController, if any
+        self.idle_cache_bytes = IDLE_CACHE_BYTES   # K/V an idle engine keeps (more goes back)
         self._check_s = 0.0                # this step's seconds in a quality check's full path
         self.wake = wake or threading.Condition()   # notified on submit and cancel
 
@@ -200,7 +142,7 @@ class BatchEngine:
                 self.drafters[request] = NGramDrafter(request.prompt)
         priority = min(request.priority for request in group)
         with self.wake:
-            heapq.heappush(self.waiting, (priority, next(self.arrivals), tuple(group)))
+            self.waiting.push(priority, tuple(group))
             self.wake.notify()
         if self.controller is not None:
             self.controller.arrived()
@@ -214,13 +156,13 @@ class BatchEngine:
     @property
     def queued(self) -> int:
         """Requests waiting for a row."""
-        return sum(len(group) for _, _, group in self.waiting)
+        return self.waiting.requests
 
     def queued_by_priority(self) -> dict[int, int]:
         with self.wake:
             counts: dict[int, int] = {}
-            for priority, _, group in self.waiting:
-                counts[priority] = counts.get(priority, 0) + len(group)
+            for group in self.waiting:
+                counts[group.priority] = counts.get(group.priority, 0) + len(group.requests)
         return counts
 
     @property
@@ -236,11 +178,13 @@ class BatchEngine:
             if self.controller is not None:
                 self.controller.before_step()
             self._drop_cancelled()
-            chunked = self._admit()
-            if not self.running:
-                return chunked
-            self._decode()
-            return True
+            chunked, decoding = self._admit(), bool(self.running)
+            if decoding:
+                self._decode()
+            if not (self.running or self.chunked) and self.cache.nbytes > self.idle_cache_bytes:
+                self.cache = self._new_cache()   # idle: a long request's K/V go back
+                release_freed_memory()
+            return chunked or decoding
         except Exception as exc:
             self._fail_all(exc)
             raise
@@ -252,21 +196,24 @@ class BatchEngine:
         none is running (else admission stops there). True when a chunk was prefilled."""
         groups, longest = [], 0
         rows = len(self.running) + (len(self.chunked.group) if self.chunked else 0)
+        held = Counter(request.client for request in self.running)
         while True:
             with self.wake:
-                if not self.waiting or rows + len(self.waiting[0][2]) > self.max_batch:
+                waiting = self.waiting.next(held)
+                if waiting is None or rows + len(waiting.requests) > self.max_batch:
                     break
-                group = self.waiting[0][2]
+                group = waiting.requests
                 long = self.prefill_chunk is not None and len(group[0].prompt) > self.prefill_chunk
                 width = max(longest, len(group[0].prompt))
                 if long and self.chunked is not None or \
                         not long and groups and (len(groups) + 1) * width > self.prefill_tokens:
                     break
-                heapq.heappop(self.waiting)
+                self.waiting.remove(waiting)
             joining = self._live(group)
             if not joining:
                 continue
             rows += len(joining)
+            held[group[0].client] += len(joining)
             if long:
                 self.chunked = self._start_chunked(joining)
             else:
@@ -542,8 +489,12 @@ class BatchEngine:
         failed, self.running = self.running, []
         if self.chunked is not None:
             failed, self.chunked = failed + self.chunked.group, None
-        self.cache.drop(self.cache.tensors)
-        self.cache = BatchKVCache(self.shape, self.max_batch, self.cache.block,
-                                  power_of_two=self.batch_buckets, on_drop=self.cache.on_drop)
+        self.cache = self._new_cache()
         for request in failed:
             self._finish(request, "error", exc)
+
+    def _new_cache(self) -> BatchKVCache:
+        """An empty cache of one block in place of this one (whose tensors are dropped)."""
+        self.cache.drop(self.cache.tensors)
+        return BatchKVCache(self.shape, self.max_batch, self.cache.block,
+                            power_of_two=self.batch_buckets, on_drop=self.cache.on_drop)

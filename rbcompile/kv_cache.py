@@ -10,6 +10,8 @@ replay in the next one.
 """
 from __future__ import annotations
 
+import ctypes
+
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -291,6 +293,10 @@ class BatchKVCache:
     def capacity(self) -> int:
         return self.tensors[0].shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
+
     def _allocate(self, capacity: int) -> list[torch.Tensor]:
         s = self.shape
         return zeros(2 * s.layers, (self.rows, s.kv_heads, capacity, s.head_dim), s.dtype, s.device)
@@ -425,3 +431,13 @@ class BatchKVCache:
         """`tensors` (this cache's, before it grew or was replaced) will not be used again."""
         if self.on_drop is not None:
             self.on_drop(tensors)
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the process back to the system where the C library keeps it
+    (glibc holds freed large blocks in its heap: a dropped cache would stay in RSS)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:   # not glibc: nothing to trim
+        return
+    libc.malloc_trim(0)

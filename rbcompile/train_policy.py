@@ -53,7 +53,7 @@ from .calibration_data import load_texts, paragraphs
 from .atomic import check_replaceable, write_folder
 from .guard import UNGUARDED
 from .loading import load
-from .engine import EngineRequest
+from .requests import EngineRequest
 from .errors import UserError
 from .progress import say, step
 from .runtime.complexity import Tiers

@@ -42,14 +42,16 @@ def check_qos(qos: str) -> int:
     return QOS_CLASSES.index(qos)
 
 
-def admit(qos: str, memory: float, queued: int, marks: Watermarks, max_queue: int) -> None:
-    """Raise `Overloaded` when a `qos` request may not join a queue of `queued` requests with
-    system memory at `memory` (a [0, 1] fraction)."""
+def admit(qos: str, memory: float, queued: int, marks: Watermarks, max_queue: int,
+          requests: int = 1) -> None:
+    """Raise `Overloaded` when `requests` of class `qos` may not join a queue of `queued`
+    requests with system memory at `memory` (a [0, 1] fraction)."""
     if memory >= marks.shed:
         raise Overloaded("shed", f"overloaded: memory at {memory:.0%} (>= {marks.shed:.0%} "
                                  "watermark); request shed, retry later")
     if memory >= marks.protect and qos == QOS_CLASSES[-1]:
         raise Overloaded("rejected", f"memory at {memory:.0%} (>= {marks.protect:.0%} watermark): "
                                      f"not admitting QoS class {qos!r} now")
-    if queued >= max_queue:
-        raise Overloaded("shed", f"queue full ({max_queue} requests); retry later")
+    if queued + requests > max_queue:
+        raise Overloaded("shed", f"queue full ({queued} of {max_queue} requests waiting, "
+                                 f"{requests} more asked); retry later")

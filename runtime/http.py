@@ -1,512 +1,59 @@
 """An OpenAI-compatible HTTP server for a compiled artifact (FastAPI; `rbcompile serve`).
 
-`create_app(compiled)` serves `POST /v1/completions` and `POST /v1/chat/completions` (decoders:
-the KV-cached `generate`, streamed as server-sent events with `stream: true`; chat where the
-tokenizer has a chat template), `POST /v1/embeddings` (encoders: mean-pooled, L2-normalised hidden
-states), `GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus text).
+`create_app(compiled)` serves `POST /v1/completions` and `POST /v1/chat/completions` (decoders,
+streamed as server-sent events with `stream: true`; chat where the tokenizer has a chat
+template), `POST /v1/embeddings` (encoders: mean-pooled, L2-normalised hidden states),
+`GET /v1/models`, `GET /health` and `GET /metrics` (Prometheus text).
 
-Both generation endpoints take one path (`_Service._respond`): the prompts' token batch, each
-row repeated `n` times (choice `prompt_index * n + k`), goes through `generate` once, and a
-`ChoiceFormat` per endpoint shapes its choices and stream chunks. A `seed` seeds the one
-generator the whole batch draws from, row after row: a request with a seed repeats exactly, and
-its n choices differ because each row draws its own numbers from that generator (the same prompt
-and seed in a request with another batch can give other text). Requests run through the model
-one at a time on a single worker thread, so the event loop stays free; a streaming client that
-disconnects stops its generation at the next token. Errors are the OpenAI shape
-`{"error": {"message", "type", "param", "code"}}`, one line.
+Both generation endpoints take one path (`_Service._respond`): each prompt's `n` choices
+(choice `prompt_index * n + k`) are requests of the continuous-batching engine, which one
+model thread steps (`ModelWorker`), so the event loop never waits on the model; tokenising
+runs on a small pool of its own. A request's choices count against `ServeLimits` and the
+queue before anything is queued; a client that disconnects, streaming or not, cancels its
+requests. Errors are the OpenAI shape `{"error": {"message", "type", "param", "code"}}`, one
+line (runtime/openai_api.py).
 """
 from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
 import json
-import logging
-import threading
 import time
 import uuid
-from collections import deque
-from concurrent.futures import Future
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from functools import partial
-from typing import Callable, Literal, Protocol
+from typing import Callable
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from rbcompile.engine import EngineRequest
-from rbcompile.errors import UserError, check_unicode, first_line
-from rbcompile.generation import SPECULATE_MODES
-from rbcompile.prefix_cache import PrefixCache
-from rbcompile.runtime.admission import QOS_CLASSES, Overloaded, Watermarks, admit
+from rbcompile.consistency import VoteOptions, check_vote, start_vote, vote_result
+from rbcompile.requests import EngineRequest
+from rbcompile.errors import UserError, first_line
 from rbcompile.guard import DECODER, GuardedPlan, guard_budget
+from rbcompile.prefix_cache import PrefixCache
+from rbcompile.quality import mean_pool
+from rbcompile.runtime.admission import QOS_CLASSES, Overloaded, Watermarks, admit
+from rbcompile.runtime.choices import CHAT, COMPLETION, ChoiceFormat, TokenRun, deliver, plan_headers
 from rbcompile.runtime.decode_control import DecodeController
+from rbcompile.runtime.gatekeeper import Gatekeeper
+from rbcompile.runtime.limits import ClientChoices, ServeLimits
+from rbcompile.runtime.model_worker import ModelWorker, log
+from rbcompile.runtime.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
+                                          EmbeddingRequest, error_body, usage, validation_error)
 from rbcompile.runtime.quality_loop import QualityLoop, QualityLoopConfig
 from rbcompile.runtime.quality_metrics import QualityCollector
 from rbcompile.runtime.result_cache import ResultCache, fingerprint
+from rbcompile.runtime.serve_metrics import Metrics
+from rbcompile.runtime.text_stream import TextStream, cut_at_stop
 from rbcompile.sampling import SamplingConfig
-from rbcompile.quality import mean_pool
-
-log = logging.getLogger("rbcompile.serve")
-PUBLIC_PATHS = ("/health",)
-RETRY_AFTER_S = 1   # what a 503 (overloaded) tells the client to wait
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health",
-             "/metrics")
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    """Per-request limits: body bytes, new tokens per completion (also capped by the positions
-    the prompt leaves), and choices per prompt (`n`)."""
-    max_body_bytes: int = 1 << 20
-    max_tokens_limit: int = 1024
-    max_n: int = 8
-    max_queue: int = 1024          # completions waiting for a batch row; more are shed (503)
-
-
-class ApiError(Exception):
-    """A request refused with `status` and a one-line message in the OpenAI error shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": str(RETRY_AFTER_S)}}
-        return JSONResponse(error_body(self.message, self.param, self.code), status_code=self.status,
-                            headers=headers.get(self.status))
-
-
-def error_body(message: str, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-# ---- request bodies ----------------------------------------------------------------------------
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @field_validator("*")
-    @classmethod
-    def _valid_unicode(cls, value):
-        """Strings (and lists of them) must encode as UTF-8: a lone surrogate ("\\ud800" in
-        JSON) is a 400 naming the field, never the tokenizer's error."""
-        for text in value if isinstance(value, list) else [value]:
-            if isinstance(text, str):
-                check_unicode(text, "the text")
-        return value
-
-
-class CompletionExtension(_Strict):
-    """The `rbcompile` object of a completion request."""
-    budget: float | None = Field(None, ge=0, le=1)
-    speculate: Literal[SPECULATE_MODES] = "off"
-    qos: Literal[QOS_CLASSES] = "standard"
-    consistency: Literal[1, 3, 7, "auto"] | None = None   # voted samples (rbcompile/consistency.py)
-    extract: str = "first-line"   # with consistency: how an answer is read from a sample
-
-
-class EmbeddingExtension(_Strict):
-    """The `rbcompile` object of an embeddings request."""
-    budget: float | None = Field(None, ge=0, le=1)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False   # a last chunk with no choices and the request's usage
-
-
-class _GenerationRequest(_Strict):
-    """The fields /v1/completions and /v1/chat/completions share."""
-    model: str | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    rbcompile: CompletionExtension = CompletionExtension()
-
-
-class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1)
-
-    def asked_tokens(self) -> tuple[int | None, str]:
-        """(new tokens asked for, the field that asked)."""
-        return self.max_tokens, "max_tokens"
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-    def asked_tokens(self) -> tuple[int | None, str]:
-        """(new tokens asked for, the field that asked); None: as many as fit."""
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ApiError(400, "give max_completion_tokens or max_tokens, not both", "max_tokens")
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        return self.max_tokens, "max_tokens"
-
-
-class EmbeddingRequest(_Strict):
-    model: str | None = None
-    input: str | list[str]
-    encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
-    rbcompile: EmbeddingExtension = EmbeddingExtension()
-
-
-# ---- metrics -----------------------------------------------------------------------------------
-
-class Metrics:
-    """The server's Prometheus metrics, in a registry of their own."""
-
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("rbcompile_requests", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.latency = Histogram("rbcompile_request_seconds", "Request latency (to the last byte)",
-                                 ["endpoint"], registry=r)
-        self.ttft = Histogram("rbcompile_time_to_first_token_seconds",
-                              "Streams: request start to the first token", registry=r)
-        self.tokens = Counter("rbcompile_generated_tokens", "Tokens generated", registry=r)
-        self.tokens_per_second = Gauge("rbcompile_tokens_per_second",
-                                       "Generation speed of the last completion", registry=r)
-        self.drafted = Counter("rbcompile_speculative_drafted_tokens", "Draft tokens verified", registry=r)
-        self.accepted = Counter("rbcompile_speculative_accepted_tokens", "Draft tokens kept", registry=r)
-        self.in_flight = Gauge("rbcompile_requests_in_flight", "Requests being served", registry=r)
-        self.batch_rows = Gauge("rbcompile_batch_rows", "Rows in the running decode batch", registry=r)
-        self.queued = Gauge("rbcompile_queued_requests", "Completions waiting for a batch row", registry=r)
-        self.prefix_hit_rate = Gauge("rbcompile_prefix_cache_hit_rate",
-                                     "Share of prompt tokens whose K/V came from the prefix cache", registry=r)
-        self.prefix_bytes = Gauge("rbcompile_prefix_cache_bytes", "K/V bytes the prefix cache holds", registry=r)
-        self.queued_by_qos = Gauge("rbcompile_queued_requests_by_qos", "Completions waiting, per QoS class",
-                                   ["qos"], registry=r)
-        self.refused = Counter("rbcompile_overload_refusals", "Requests refused with 503: shed (memory or "
-                               "queue) or rejected (QoS class not admitted)", ["reason"], registry=r)
-        self.watermark = Gauge("rbcompile_memory_watermark", "Memory watermark reached at the last "
-                               "admission: 0 none, 1 shrink (60%), 2 protect (80%), 3 shed (95%)", registry=r)
-        self.budget = Gauge("rbcompile_decode_budget", "Budget (skipped MLP share) the controller "
-                            "sets for completions without their own", registry=r)
-        self.result_hit_rate = Gauge("rbcompile_result_cache_hit_rate", "Share of embedding inputs "
-                                     "answered from the result cache (exact repeats)", registry=r)
-        self.result_bytes = Gauge("rbcompile_result_cache_bytes", "Bytes the result cache holds", registry=r)
-        self.drafter = Counter("rbcompile_completions_by_drafter", "Completions by the speculation "
-                               "they asked for", ["drafter"], registry=r)
-        self.tier = Counter("rbcompile_consistency_tier", "Voted completions by samples tier (1, 3, "
-                            "7; under auto, the router's choice)", ["tier"], registry=r)
-        self.steps = DrafterSteps()
-        r.register(self.steps)
-        self.engine = None
-
-    def record_generation(self, tokens: int, seconds: float, drafted: int = 0, accepted: int = 0) -> None:
-        self.tokens.inc(tokens)
-        if seconds > 0:
-            self.tokens_per_second.set(tokens / seconds)
-        self.drafted.inc(drafted)
-        self.accepted.inc(accepted)
-
-    def refresh(self) -> None:
-        """Labelled gauges read at a scrape."""
-        if self.engine is not None:
-            counts = self.engine.queued_by_priority()
-            for priority, qos in enumerate(QOS_CLASSES):
-                self.queued_by_qos.labels(qos).set(counts.get(priority, 0))
-
-    def watch(self, engine) -> None:
-        """Batch and queue gauges read from `engine` at each scrape."""
-        self.engine = self.steps.engine = engine
-        self.batch_rows.set_function(lambda: len(engine.running))
-        self.budget.set_function(lambda: engine.budget or 0.0)
-        self.queued.set_function(lambda: engine.queued)
-        if engine.prefix_cache is not None:
-            self.prefix_hit_rate.set_function(lambda: engine.prefix_cache.stats.hit_rate)
-            self.prefix_bytes.set_function(lambda: engine.prefix_cache.nbytes)
-
-    def watch_results(self, cache: ResultCache) -> None:
-        def hit_rate() -> float:
-            stats = cache.stats
-            looked_up = stats["hits"] + stats["misses"]
-            return stats["hits"] / looked_up if looked_up else 0.0
-        self.result_hit_rate.set_function(hit_rate)
-        self.result_bytes.set_function(lambda: cache.nbytes)
-
-
-class DrafterSteps:
-    """A Prometheus collector: decode steps by the drafter that ran them, from the engine's
-    batch steps (n-gram when any row verified drafts, else off) and speculative `generate`'s
-    steps (`add`; under 'auto', the modes it chose)."""
-
-    def __init__(self):
-        self.engine, self.generated = None, {}
-
-    def add(self, steps_by_mode: dict[str, int]) -> None:
-        for mode, count in steps_by_mode.items():
-            self.generated[mode] = self.generated.get(mode, 0) + count
-
-    def collect(self):
-        counts = dict(self.generated)
-        if self.engine is not None:
-            stats = self.engine.stats
-            counts["off"] = counts.get("off", 0) + stats.decode_steps - stats.speculative_steps
-            counts["ngram"] = counts.get("ngram", 0) + stats.speculative_steps
-        family = CounterMetricFamily("rbcompile_decode_steps_by_drafter", "Decode steps by the "
-                                     "drafter that ran them (auto: the modes it chose)", labels=["drafter"])
-        for mode, count in sorted(counts.items()):
-            family.add_metric([mode], count)
-        yield family
-
-
-class Gatekeeper:
-    """ASGI middleware before routing: metrics for every request, the API key, the body limit.
-    The body is read here (at most `max_body_bytes`) and replayed to the app."""
-
-    def __init__(self, app, *, metrics: Metrics, api_key: str | None, max_body_bytes: int):
-        self.app, self.metrics, self.api_key, self.max_body_bytes = app, metrics, api_key, max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
-        status, started = 500, time.perf_counter()
-
-        async def send_watched(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        self.metrics.in_flight.inc()
-        try:
-            await self._admit(scope, receive, send_watched)
-        finally:
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
-
-    async def _admit(self, scope, receive, send):
-        try:
-            self._check_key(scope)
-            body = await self._read_body(scope, receive)
-        except ApiError as error:
-            return await error.response()(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    def _check_key(self, scope) -> None:
-        if self.api_key is None or scope["path"] in PUBLIC_PATHS:
-            return
-        headers = dict(scope["headers"])
-        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
-
-    async def _read_body(self, scope, receive) -> bytes:
-        too_large = ApiError(413, f"the request body is over the {self.max_body_bytes}-byte limit")
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise too_large
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return b""
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                raise too_large
-            if not message.get("more_body"):
-                return b"".join(chunks)
-
-
-# ---- the model's worker ------------------------------------------------------------------------
-
-class ModelWorker:
-    """The one thread that runs the model: the continuous-batching engine's steps (decoders)
-    and, between them, other work (embeddings; speculative `generate`, one token per job), so
-    the event loop never waits on the model and nothing runs it twice at once."""
-
-    def __init__(self):
-        self.wake = threading.Condition()
-        self.jobs: deque[Callable[[], None]] = deque()
-        self.engine = None   # set by create_app for decoders, built with `wake`
-        self.closed = False
-        self.thread = threading.Thread(target=self._loop, name="rbcompile-model", daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        """Stop after the jobs queued so far."""
-        with self.wake:
-            self.closed = True
-            self.wake.notify()
-
-    async def call(self, fn, *args, **kwargs):
-        """`fn(*args, **kwargs)` on the model thread, between engine steps."""
-        future = Future()
-
-        def job():
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as exc:
-                    future.set_exception(exc)
-
-        with self.wake:
-            if self.closed:
-                raise ApiError(503, "the server is shutting down")
-            self.jobs.append(job)
-            self.wake.notify()
-        return await asyncio.wrap_future(future)
-
-    async def iterate(self, events):
-        """Yield `events`' items, each advanced by its own job; the async caller stopping (a
-        client gone) stops advancing it."""
-        iterator, end = iter(events), object()
-        while (item := await self.call(next, iterator, end)) is not end:
-            yield item
-
-    def _loop(self) -> None:
-        while True:
-            with self.wake:
-                while not (self.jobs or self.closed or (self.engine and self.engine.has_work)):
-                    self.wake.wait()
-                if self.closed and not self.jobs:
-                    return
-                job = self.jobs.popleft() if self.jobs else None
-            if job is not None:
-                job()
-            if self.engine is not None and self.engine.has_work:
-                try:
-                    self.engine.step()
-                except Exception:  # the engine has ended the requests it hit with the error
-                    log.exception("a batch step failed")
-
-
-# ---- text ------------------------------------------------------------------------------------
-
-def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """`text` up to its first stop string (excluded), and whether one was found."""
-    found = [index for s in stop if (index := text.find(s)) >= 0]
-    return (text[:min(found)], True) if found else (text, False)
-
-
-def _held_back(text: str, stop: list[str]) -> int:
-    """Characters at the end of `text` not to stream yet: an undecodable byte sequence so far,
-    or the start of a stop string."""
-    if text.endswith("\ufffd"):
-        return 1
-    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-
-
-class TextStream:
-    """One row's text as its tokens arrive: each call returns the text not sent yet, cut
-    before a stop string (the row's whole tokens are decoded each time)."""
-
-    def __init__(self, decode, stop: list[str]):
-        self.decode, self.stop, self.tokens, self.sent = decode, stop, [], ""
-
-    def add(self, token: int) -> str:
-        self.tokens.append(token)
-        text, _ = cut_at_stop(self.decode(self.tokens), self.stop)
-        return self._delta(text[:len(text) - _held_back(text, self.stop)])
-
-    def finish(self) -> str:
-        return self._delta(cut_at_stop(self.decode(self.tokens), self.stop)[0])
-
-    def _delta(self, text: str) -> str:
-        if not text.startswith(self.sent):  # a re-tokenised prefix: wait for a stable one
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-
-# ---- choices ---------------------------------------------------------------------------------
-
-class ChoiceFormat(Protocol):
-    """How a generation endpoint shapes a choice: whole (`choice`), and streamed as the choice
-    dicts of the chunks that open it, add text to it, and end it."""
-    object: str
-    chunk_object: str
-    id_prefix: str
-
-    def choice(self, index: int, text: str, finish_reason: str) -> dict: ...
-
-    def opening(self, index: int) -> list[dict]: ...
-
-    def delta(self, index: int, text: str) -> dict: ...
-
-    def ending(self, index: int, rest: str, finish_reason: str) -> list[dict]: ...
-
-
-class CompletionFormat:
-    """/v1/completions: `text`; a stream's last chunk per choice carries the rest of the text."""
-    object = chunk_object = "text_completion"
-    id_prefix = "cmpl"
-
-    def choice(self, index, text, finish_reason):
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-    def opening(self, index):
-        return []
-
-    def delta(self, index, text):
-        return self.choice(index, text, None)
-
-    def ending(self, index, rest, finish_reason):
-        return [self.choice(index, rest, finish_reason)]
-
-
-class ChatFormat:
-    """/v1/chat/completions: an assistant `message`; streamed as `delta`s, the first giving the
-    role, the last empty with the finish_reason."""
-    object, chunk_object = "chat.completion", "chat.completion.chunk"
-    id_prefix = "chatcmpl"
-
-    def choice(self, index, text, finish_reason):
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
-
-    def opening(self, index):
-        return [self._chunk(index, {"role": "assistant", "content": ""})]
-
-    def delta(self, index, text):
-        return self._chunk(index, {"content": text})
-
-    def ending(self, index, rest, finish_reason):
-        return ([self.delta(index, rest)] if rest else []) + [self._chunk(index, {}, finish_reason)]
-
-    @staticmethod
-    def _chunk(index: int, delta: dict, finish_reason: str | None = None) -> dict:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-
-COMPLETION, CHAT = CompletionFormat(), ChatFormat()
 
 
 # ---- the app -----------------------------------------------------------------------------------
@@ -545,6 +92,7 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
     async def lifespan(app):
         yield
         worker.close()  # uvicorn has waited for the open requests: nothing is left running
+        service.pool.shutdown(wait=False)
 
     app = FastAPI(title="rbcompile", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.engine, app.state.results = worker.engine, results
@@ -573,18 +121,19 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
                                             "owned_by": "rbcompile"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await service.complete(body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await service.complete(body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await service.chat(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await service.chat(body, request)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
         return await service.embed(body)
 
-    app.add_middleware(Gatekeeper, metrics=metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+    app.add_middleware(Gatekeeper, metrics=metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                       body_timeout_s=limits.body_timeout_s)
     return app
 
 
@@ -599,7 +148,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, error: RequestValidationError):
-        return _validation_error(error.errors()).response()
+        return validation_error(error.errors()).response()
+
+    @app.exception_handler(ClientGone)
+    async def gone(request, error: ClientGone):
+        return Response(status_code=499)   # nginx's 'client closed request': never sent
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
@@ -611,30 +164,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal error: {type(error).__name__}: {first_line(error)}",
                                        kind="server_error"), status_code=500)
 
-
-def _validation_error(errors: list[dict]) -> ApiError:
-    """Pydantic's errors as a one-line 400 about the first field (a union's alternatives
-    joined with 'or')."""
-    param = _param(errors[0]["loc"])
-    kind = errors[0]["type"]
-    if kind == "extra_forbidden":   # the field's own name, whatever its characters
-        parent, name = _param(errors[0]["loc"][:-1]), ascii(str(errors[0]["loc"][-1]))[1:-1]
-        name = f"{parent}.{name}" if parent else name
-        return ApiError(400, f"unknown field '{name}'", name)
-    if kind == "json_invalid":
-        return ApiError(400, f"the body is not valid JSON: {errors[0]['msg']}")
-    if param is None:
-        return ApiError(400, f"the body must be a JSON object: {errors[0]['msg']}")
-    reasons = dict.fromkeys(first_line(e["msg"]).removeprefix("Value error, ")
-                            for e in errors if _param(e["loc"]) == param)
-    return ApiError(400, f"'{param}': {' or '.join(reasons)}", param)
-
-
-def _param(loc: tuple) -> str | None:
-    """'rbcompile.budget' from ('body', 'rbcompile', 'budget'); union tags ('list[str]') left out."""
-    fields = [str(part) for part in loc[1:] if isinstance(part, int) or part.isidentifier()
-              and part not in ("str", "int", "float", "bool")]
-    return ".".join(fields) or None
 
 
 class _Service:
@@ -652,6 +181,9 @@ class _Service:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         eos = compiled.hf_config.get("eos_token_id")
         self.eos = set([eos] if isinstance(eos, int) else eos or [])
+        # one thread: the fast tokenizer's padding settings are not safe to change concurrently
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rbcompile-tokenize")
+        self.clients = ClientChoices(limits.max_client_choices)
 
     def _check_model(self, model: str | None, family: str, endpoint: str, other: str) -> None:
         if self.compiled.family != family:
@@ -692,64 +224,98 @@ class _Service:
 
     # ---- completions and chat ----------------------------------------------------------------
 
-    async def complete(self, body: CompletionRequest):
+    async def complete(self, body: CompletionRequest, request: Request):
         self._check_model(body.model, "decoder", "/v1/completions", "/v1/embeddings")
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        return await self._respond(body, self._encode(prompts, "prompt"), COMPLETION)
+        self._check_work(body, len(prompts), "prompt")
+        batch = await self._off_loop(self._encode, prompts, "prompt")
+        return await self._respond(body, batch, COMPLETION, request)
 
-    async def chat(self, body: ChatCompletionRequest):
+    async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model, "decoder", "/v1/chat/completions", "/v1/embeddings")
         if self.tokenizer.chat_template is None:
             raise ApiError(400, f"model '{self.name}' has no chat template: use /v1/completions")
         if not body.messages:
             raise ApiError(400, "'messages' is an empty list", "messages")
+        self._check_work(body, 1, "messages")
+        return await self._respond(body, await self._off_loop(self._chat_batch, body.messages),
+                                   CHAT, request)
+
+    def _chat_batch(self, messages: list) -> dict:
         try:
-            text = self.tokenizer.apply_chat_template([m.model_dump() for m in body.messages],
+            text = self.tokenizer.apply_chat_template([m.model_dump() for m in messages],
                                                       add_generation_prompt=True, tokenize=False)
         except TemplateError as error:
             raise ApiError(400, f"the chat template refused the messages: {first_line(error)}",
                            "messages") from error
         # the template writes the special tokens it wants (a BOS): none are added again
-        batch = self._encode([text], "messages", add_special_tokens=False)
-        return await self._respond(body, batch, CHAT)
+        return self._encode([text], "messages", add_special_tokens=False)
 
-    async def _respond(self, body: CompletionRequest | ChatCompletionRequest, batch, fmt: ChoiceFormat):
-        """Generate `body.n` choices per row of `batch` (choice `row * n + k`): the response, or
-        with `stream` its server-sent events."""
-        if body.n > self.limits.max_n:
-            raise ApiError(400, f"n={body.n} is over this server's limit of {self.limits.max_n}", "n")
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` on the tokenising pool: a long prompt never stalls the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, partial(fn, *args))
+
+    def _check_work(self, body: CompletionRequest | ChatCompletionRequest, prompts: int,
+                    param: str) -> None:
+        """The request's work within `ServeLimits`, before anything is tokenised or queued."""
+        limits = self.limits
+        if body.n > limits.max_n:
+            raise ApiError(400, f"n={body.n} is over this server's limit of {limits.max_n}", "n")
+        if prompts * body.n > limits.max_choices:
+            raise ApiError(400, f"{prompts} prompts x n={body.n} make {prompts * body.n} "
+                           f"choices, over this server's limit of {limits.max_choices} a request",
+                           param)
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options goes with stream: true", "stream_options")
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        self._stops(body.stop)
+
+    def _stops(self, stop: str | list[str] | None) -> list[str]:
+        stop, limits = [stop] if isinstance(stop, str) else stop or [], self.limits
+        if len(stop) > limits.max_stop:
+            raise ApiError(400, f"{len(stop)} stop strings: this server takes at most "
+                           f"{limits.max_stop}", "stop")
+        if longest := max((len(s) for s in stop if len(s) > limits.max_stop_chars), default=0):
+            raise ApiError(400, f"a stop string of {longest} characters: this server takes at "
+                           f"most {limits.max_stop_chars}", "stop")
+        return stop
+
+    async def _respond(self, body: CompletionRequest | ChatCompletionRequest, batch,
+                       fmt: ChoiceFormat, request: Request):
+        """Generate `body.n` choices per row of `batch` (choice `row * n + k`): the response, or
+        with `stream` its server-sent events."""
+        stop = self._stops(body.stop)
         max_tokens = self._max_new_tokens(*body.asked_tokens(), batch["input_ids"].shape[1])
         prompt_tokens = int(batch["attention_mask"].sum())
         choices = len(batch["input_ids"]) * body.n
+        job = _Job(body, batch, stop, max_tokens, self._plan(body.rbcompile.budget),
+                   request.client.host if request.client else "", choices)
         header = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}",
                   "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.name}
-        await self._admit(body.rbcompile.qos)
-        self.metrics.drafter.labels(body.rbcompile.speculate).inc()
-        asked = self._plan(body.rbcompile.budget)
-        if body.rbcompile.budget is not None:  # what runs: the guarded plan's budget
-            body.rbcompile.budget = asked.budget
         if body.rbcompile.consistency is not None:
-            return await self._voted(body, batch, stop, max_tokens, header, fmt, prompt_tokens, asked)
-        if body.rbcompile.speculate in ("off", "ngram"):
-            run = self._batched(body, batch, stop, max_tokens, asked)
-        else:
-            run = await self._generated(body, batch, stop, max_tokens, asked)
+            return await self._voted(job, header, fmt, prompt_tokens, request)
+        await self._admit(body.rbcompile.qos, job)
+        try:
+            self.metrics.drafter.labels(body.rbcompile.speculate).inc()
+            if body.rbcompile.budget is not None:  # what runs: the guarded plan's budget
+                body.rbcompile.budget = job.asked.budget
+            if body.rbcompile.speculate in ("off", "ngram"):
+                run = self._batched(job)
+            else:
+                run = await self._generated(job)
+        except BaseException:
+            job.release()
+            raise
         if body.stream:
-            usage = prompt_tokens if body.stream_options and body.stream_options.include_usage else None
-            return StreamingResponse(self._sse(run, header, fmt, choices, stop, max_tokens, usage),
-                                     media_type="text/event-stream", headers=_plan_headers(asked))
-        tokens = [[] for _ in range(choices)]
-        async for index, token in run.events:
-            tokens[index].append(token)
+            counted = prompt_tokens if body.stream_options and body.stream_options.include_usage else None
+            return StreamingResponse(self._sse(run, header, fmt, choices, stop, max_tokens, counted),
+                                     media_type="text/event-stream", headers=plan_headers(job.asked))
+        tokens = await until_disconnected(request, _collect(run, choices))
         run.record(self.metrics)
         return {**header,
                 "choices": [fmt.choice(index, *self._ending(row, stop, max_tokens))
                             for index, row in enumerate(tokens)],
-                "usage": _usage(prompt_tokens, sum(len(row) for row in tokens)),
+                "usage": usage(prompt_tokens, sum(len(row) for row in tokens)),
                 "rbcompile": {"plan": run.plan()}}
 
     async def _relieve_memory(self) -> float:
@@ -770,23 +336,31 @@ class _Service:
                 self.results.restore()
         return memory
 
-    async def _admit(self, qos: str) -> None:
-        """Refuse a completion with 503 when the watermarks or the queue say so (and relieve
-        memory, see `_relieve_memory`)."""
+    async def _admit(self, qos: str, job: "_Job") -> None:
+        """Refuse a request's choices with 503 when the watermarks or the queue say so (and
+        relieve memory, see `_relieve_memory`), with 429 when its client holds its share;
+        else count them against the client until `job.release()`."""
         memory, engine = await self._relieve_memory(), self.worker.engine
         try:
-            admit(qos, memory, engine.queued, self.watermarks, self.limits.max_queue)
+            admit(qos, memory, engine.queued, self.watermarks, self.limits.max_queue, job.choices)
         except Overloaded as exc:
             self.metrics.refused.labels(exc.reason).inc()
             raise ApiError(503, str(exc), code="overloaded") from None
+        if not self.clients.take(job.client, job.choices):
+            self.metrics.refused.labels("client").inc()
+            raise ApiError(429, f"this client has {self.clients.held.get(job.client, 0)} choices "
+                           f"queued or running and asks {job.choices} more: at most "
+                           f"{self.limits.max_client_choices} at once; retry later",
+                           code="rate_limit_exceeded")
+        job.release = partial(self.clients.give_back, job.client, job.choices)
 
-    def _batched(self, body, batch, stop: list[str], max_tokens: int,
-                 asked: GuardedPlan) -> "_TokenRun":
+    def _batched(self, job: "_Job") -> TokenRun:
         """The choices as requests of the continuous-batching engine, the n choices of a prompt
         as one group that shares its prefill (when the batch has rows for all n); choice i
         samples with seed `seed + i` (its own generator: the same prompt, seed and choice index
         give the same text whatever else is in the batch). `speculate: ngram` drafts are
         verified in the engine's batch steps."""
+        body, batch = job.body, job.batch
         engine, loop, queue = self.worker.engine, asyncio.get_running_loop(), asyncio.Queue()
         requests = []
         try:
@@ -794,15 +368,12 @@ class _Service:
                 prompt, group = row[mask.bool()].tolist(), []
                 for _ in range(body.n):
                     index = len(requests) + len(group)
-                    sampling = SamplingConfig(body.temperature > 0, body.temperature or 1.0, None,
-                                              body.top_p if body.top_p < 1 else None,
-                                              None if body.seed is None else body.seed + index)
                     group.append(EngineRequest(
-                        prompt, max_tokens, sampling, stop, body.rbcompile.budget,
-                        priority=QOS_CLASSES.index(body.rbcompile.qos),
-                        speculate=body.rbcompile.speculate == "ngram",
-                        on_token=partial(_deliver, loop, queue, index),
-                        on_finish=lambda request, index=index: _deliver(loop, queue, index, None)))
+                        prompt, job.max_tokens, _sampling(body, index), job.stop,
+                        body.rbcompile.budget, priority=QOS_CLASSES.index(body.rbcompile.qos),
+                        client=job.client, speculate=body.rbcompile.speculate == "ngram",
+                        on_token=partial(deliver, loop, queue, index),
+                        on_finish=lambda request, index=index: deliver(loop, queue, index, None)))
                 if len(group) <= engine.max_batch:
                     requests += engine.submit_samples(group)
                 else:
@@ -811,9 +382,9 @@ class _Service:
             for request in requests:
                 engine.cancel(request)
             raise
-        return _TokenRun(self._engine_events(requests, queue), lambda: (
+        return TokenRun(self._engine_events(requests, queue), lambda: (
             sum(r.drafted for r in requests), sum(r.accepted for r in requests), {}),
-            lambda: self._plan_report(asked, max(r.budget_run for r in requests)))
+            lambda: self._plan_report(job.asked, max(r.budget_run for r in requests)), job.release)
 
     async def _engine_events(self, requests: list[EngineRequest], queue: asyncio.Queue):
         """(choice, token) as the engine emits them; stopping early (a client gone) cancels
@@ -833,53 +404,71 @@ class _Service:
                 if request.finish_reason is None:
                     self.worker.engine.cancel(request)
 
-    async def _voted(self, body, batch, stop: list[str], max_tokens: int, header: dict,
-                     fmt: ChoiceFormat, prompt_tokens: int, asked: GuardedPlan) -> dict:
+    async def _voted(self, job: "_Job", header: dict, fmt: ChoiceFormat, prompt_tokens: int,
+                     request: Request) -> dict:
         """`rbcompile.consistency`: one choice, the text of a sample giving the answer voted
-        over 1, 3 or 7 samples (or as many as the complexity router picks: 'auto'), drawn by
-        `generate(consistency=...)` on the model thread (its own batch, between the engine's
-        steps); `rbcompile` in the response holds the answer, its votes and the samples."""
-        from rbcompile.consistency import VoteOptions
-
+        over 1, 3 or 7 samples (or as many as the complexity router picks: 'auto'), drawn as
+        forked requests of the shared engine (the other rows keep decoding); `rbcompile` in the
+        response holds the answer, its votes and the samples."""
+        body, engine = job.body, self.worker.engine
         if body.n != 1 or body.stream:
             raise ApiError(400, "rbcompile.consistency gives one voted choice: it takes n=1 and "
                            "no stream", "rbcompile")
-        vote = VoteOptions(extract=body.rbcompile.extract)
-        result = await self.worker.call(
-            self.compiled.generate, batch["input_ids"], batch["attention_mask"],
-            max_new_tokens=max_tokens, do_sample=body.temperature > 0,
-            temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
-            seed=body.seed, stop=stop or None, budget=body.rbcompile.budget,
-            speculate=body.rbcompile.speculate, consistency=body.rbcompile.consistency, vote=vote)
+        vote, sampling = VoteOptions(extract=body.rbcompile.extract), _sampling(body, 0)
+        check_vote(body.rbcompile.consistency, speculate=body.rbcompile.speculate, stream=False,
+                   sampling=sampling)
+        job.choices = 7 if body.rbcompile.consistency == "auto" else body.rbcompile.consistency
+        if job.choices > engine.max_batch:
+            raise ApiError(400, f"a vote of {job.choices} samples needs as many batch rows; this "
+                           f"server has {engine.max_batch} (--max-batch)", "rbcompile.consistency")
+        await self._admit(body.rbcompile.qos, job)
+        prompt = job.batch["input_ids"][0][job.batch["attention_mask"][0].bool()].tolist()
+        started, before = time.perf_counter(), (engine.stats.prefills, engine.stats.decode_steps)
+        try:
+            group = await self.worker.call(
+                start_vote, self.compiled, engine, prompt, body.rbcompile.consistency,
+                options=vote, max_new_tokens=job.max_tokens, sampling=sampling, stop=job.stop,
+                budget=job.asked.budget if body.rbcompile.budget is not None else None)
+            try:
+                await until_disconnected(request, self.worker.until(lambda: group.done))
+            finally:
+                if not group.done:
+                    group.cancel()
+        finally:
+            job.release()
+        result = vote_result(group, started, engine.stats.prefills - before[0],
+                             engine.stats.decode_steps - before[1])
         self.metrics.tier.labels(str(result.stats.tier or body.rbcompile.consistency)).inc()
         winner = next((sample for sample in result.samples
                        if sample.voted and sample.text == result.text), None)
         reason = "length" if winner is not None and winner.finish_reason == "length" else "stop"
         stats = result.stats
         return {**header, "choices": [fmt.choice(0, result.text or "", reason)],
-                "usage": _usage(prompt_tokens, stats.new_tokens),
+                "usage": usage(prompt_tokens, stats.new_tokens),
                 "rbcompile": {"answer": result.answer, "votes": result.votes,
                               "samples": stats.drawn, "voted": stats.voted,
                               "stopped_early": stats.stopped_early, "tier": stats.tier,
-                              "plan": self._plan_report(asked, asked.budget)}}
+                              "plan": self._plan_report(job.asked, job.asked.budget)}}
 
-    async def _generated(self, body, batch, stop: list[str], max_tokens: int,
-                         asked: GuardedPlan) -> "_TokenRun":
+    async def _generated(self, job: "_Job") -> TokenRun:
         """The choices through speculative `generate` as one batch on the model thread (the
         engine drafts by n-gram only: 'self' and 'auto' need the light path's draft forwards
-        per request); `seed` seeds the one generator the batch draws from."""
+        per request), one token per job between engine steps; `seed` seeds the one generator
+        the batch draws from."""
+        body, batch = job.body, job.batch
         events = await self.worker.call(
             self.compiled.generate, batch["input_ids"].repeat_interleave(body.n, 0),
             batch["attention_mask"].repeat_interleave(body.n, 0),
-            max_new_tokens=max_tokens, do_sample=body.temperature > 0,
+            max_new_tokens=job.max_tokens, do_sample=body.temperature > 0,
             temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
-            seed=body.seed, stop=stop or None, budget=body.rbcompile.budget,
+            seed=body.seed, stop=job.stop or None, budget=body.rbcompile.budget,
             speculate=body.rbcompile.speculate, stream=True)   # checks, before the 200
+
         def counts():
             stats = events.result().stats
             return stats.drafted, stats.accepted, stats.steps_by_mode
-        return _TokenRun(self.worker.iterate(events), counts,
-                         lambda: self._plan_report(asked, asked.budget))
+        return TokenRun(self.worker.iterate(events), counts,
+                        lambda: self._plan_report(job.asked, job.asked.budget), job.release)
 
     def _plan(self, budget: float | None) -> GuardedPlan:
         """The plan a budget runs: the guard's, and the live checks' where a controller runs
@@ -907,7 +496,7 @@ class _Service:
         ended = stopped or (tokens and tokens[-1] in self.eos) or len(tokens) < max_tokens
         return text, "stop" if ended else "length"
 
-    async def _sse(self, run: "_TokenRun", header: dict, fmt: ChoiceFormat, choices: int, stop: list[str],
+    async def _sse(self, run: TokenRun, header: dict, fmt: ChoiceFormat, choices: int, stop: list[str],
                    max_tokens: int, usage_prompt_tokens: int | None = None):
         """Server-sent events: the chunks opening each choice, a chunk per token with the text
         it adds, the chunks ending each choice with its finish_reason, with
@@ -937,8 +526,8 @@ class _Service:
             for choice in fmt.ending(row, rest, self._ending(stream.tokens, stop, max_tokens)[1]):
                 yield chunk(choice)
         if usage_prompt_tokens is not None:
-            usage = _usage(usage_prompt_tokens, sum(len(stream.tokens) for stream in streams))
-            yield f"data: {_json({**header, 'choices': [], 'usage': usage})}\n\n"
+            total = usage(usage_prompt_tokens, sum(len(stream.tokens) for stream in streams))
+            yield f"data: {_json({**header, 'choices': [], 'usage': total})}\n\n"
         yield "data: [DONE]\n\n"
 
     # ---- embeddings --------------------------------------------------------------------------
@@ -950,14 +539,15 @@ class _Service:
         self._check_model(body.model, "encoder", "/v1/embeddings", "/v1/completions")
         await self._relieve_memory()
         texts = [body.input] if isinstance(body.input, str) else body.input
-        batch = self._encode(texts, "input")
+        batch = await self._off_loop(self._encode, texts, "input")
         plan = f"budget={body.rbcompile.budget or 0:.4f}"
         keys = [ResultCache.key(self.fingerprint, plan, ids[mask.bool()])
                 for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
         hits = [self.results.get(key) if self.results is not None else None for key in keys]
         missing = [i for i, hit in enumerate(hits) if hit is None]
         if missing:
-            rows = batch if len(missing) == len(texts) else self._encode([texts[i] for i in missing], "input")
+            rows = batch if len(missing) == len(texts) else \
+                await self._off_loop(self._encode, [texts[i] for i in missing], "input")
             out = await self.worker.call(self.compiled, rows["input_ids"], rows["attention_mask"],
                                          budget=body.rbcompile.budget)
             pooled = mean_pool(out["last_hidden_state"].float().cpu(), rows["attention_mask"])
@@ -975,50 +565,59 @@ class _Service:
 
 
 
-class _TokenRun:
-    """A generation's (choice, token) events, and its counters for the metrics once they end
-    (`counts()`: draft tokens verified and accepted, and `generate`'s decode steps by mode;
-    the engine's steps are read from the engine itself)."""
-
-    def __init__(self, events, counts: Callable[[], tuple[int, int, dict]],
-                 plan: Callable[[], dict]):
-        self.counts, self.plan, self.started, self.tokens = counts, plan, time.perf_counter(), 0
-        self.events = self._counted(events)
-
-    async def _counted(self, events):
-        async for event in events:
-            self.tokens += 1
-            yield event
-
-    def record(self, metrics: Metrics) -> None:
-        drafted, accepted, steps_by_mode = self.counts()
-        metrics.record_generation(self.tokens, time.perf_counter() - self.started, drafted, accepted)
-        metrics.steps.add(steps_by_mode)
+@dataclass(eq=False)
+class _Job:
+    """A generation request once checked: its choices' token batch, stop strings, new tokens,
+    plan, and the client its choices are counted against until `release()`."""
+    body: CompletionRequest | ChatCompletionRequest
+    batch: dict
+    stop: list[str]
+    max_tokens: int
+    asked: GuardedPlan
+    client: str
+    choices: int
+    release: Callable[[], None] = lambda: None
 
 
-def _plan_headers(asked: GuardedPlan) -> dict[str, str]:
-    """A stream's headers for its budget: what it asked, what its plan allows, and why less."""
-    if asked.requested is None:
-        return {}
-    headers = {"x-rbcompile-requested-budget": f"{asked.requested:g}",
-               "x-rbcompile-budget": f"{asked.budget:g}"}
-    if asked.withheld is not None:
-        headers["x-rbcompile-withheld"] = asked.withheld
-    return headers
+def _sampling(body: CompletionRequest | ChatCompletionRequest, index: int) -> SamplingConfig:
+    """Choice `index`'s sampling: seeded `seed + index`, so each choice repeats on its own."""
+    return SamplingConfig(body.temperature > 0, body.temperature or 1.0, None,
+                          body.top_p if body.top_p < 1 else None,
+                          None if body.seed is None else body.seed + index)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+async def _collect(run: TokenRun, choices: int) -> list[list[int]]:
+    tokens = [[] for _ in range(choices)]
+    async for index, token in run.events:
+        tokens[index].append(token)
+    return tokens
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, token: int | None) -> None:
-    """Hand an engine event to the request's queue from the model thread (dropped when the
-    loop is gone: nobody is listening)."""
+async def until_disconnected(request: Request, work):
+    """Await `work` (a coroutine); a client that disconnects first cancels it (its `finally`
+    blocks cancel its engine requests) and gets nothing: a ClientGone error."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
-        loop.call_soon_threadsafe(queue.put_nowait, (index, token))
-    except RuntimeError:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})   # its finally blocks run now
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client has gone (the body is read: what comes next is a disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class ClientGone(Exception):
+    """The client left before its response: nothing to send."""
 
 
 def _encoded(vector: torch.Tensor, encoding_format: str):

@@ -204,3 +204,18 @@ def text_streamed_through_sigterm(response, process) -> str:
     events += [line for line in lines if line]
     assert events[-1] == "data: [DONE]"
     return "".join(json.loads(line[6:])["choices"][0]["text"] for line in events[:-1])
+
+
+def served_by_cli(monkeypatch) -> dict:
+    """Stand in for the HTTP server of `rbcompile serve`: what the CLI would serve (app,
+    bound socket, connection limits) lands in the returned dict, and nothing listens."""
+    from rbcompile.runtime import connections
+
+    served = {}
+
+    def capture(app, sock, limits):
+        served.update(app=app, address=sock.getsockname()[:2], limits=limits)
+        sock.close()
+
+    monkeypatch.setattr(connections, "serve", capture)
+    return served

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import WORDS
+from conftest import WORDS, served_by_cli
 from safetensors.torch import load_file
 
 import rbcompile
@@ -253,7 +253,6 @@ def llama_artifact(tiny_checkpoints, tmp_path_factory):
 
 def test_cli_train_policy_on_a_decoder_and_serve_it(llama_artifact, tmp_path, capsys,
                                                     monkeypatch):
-    import uvicorn
     from fastapi.testclient import TestClient
 
     from rbcompile import train_policy
@@ -283,8 +282,7 @@ def test_cli_train_policy_on_a_decoder_and_serve_it(llama_artifact, tmp_path, ca
     printed = capsys.readouterr().out
     assert "ppo (int8)" in printed and "req p99 ms" in printed
 
-    served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app))
+    served = served_by_cli(monkeypatch)
     assert main(["serve", str(llama_artifact), "--policy", "ppo", "--policy-file", str(out),
                  "--slo-ms", "20"]) == 0
     controller = served["app"].state.engine.controller

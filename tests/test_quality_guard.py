@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rbcompile
+from conftest import served_by_cli
 from rbcompile.cli import main
 from rbcompile.compiled import QualityGuardWarning
 from rbcompile.engine import EngineRequest
@@ -299,10 +300,7 @@ def test_inspect_lists_each_plans_measured_losses(calibrated, tmp_path, capsys):
 
 
 def test_cli_serve_says_at_start_what_its_guard_allows(llama, tmp_path, monkeypatch, capsys):
-    import uvicorn
-
-    served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app))
+    served = served_by_cli(monkeypatch)
     artifact = llama.save(tmp_path / "artifact")
     assert main(["serve", str(artifact), "--policy", "pid"]) == 0
     err = capsys.readouterr().err

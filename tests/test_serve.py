@@ -13,10 +13,12 @@ from fastapi.testclient import TestClient
 from tokenizers.processors import TemplateProcessing
 
 import rbcompile
-from conftest import text_streamed_through_sigterm
+from conftest import served_by_cli, text_streamed_through_sigterm
 from rbcompile.cli import main
 from rbcompile.quality import mean_pool
-from rbcompile.runtime.http import ModelWorker, ServeLimits, TextStream, create_app
+from rbcompile.runtime.http import ServeLimits, create_app
+from rbcompile.runtime.model_worker import ModelWorker
+from rbcompile.runtime.text_stream import TextStream
 
 PROMPTS = ["the a of and to in", "he she"]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {{ eos_token }} {% endfor %}"
@@ -433,15 +435,12 @@ def test_cli_refuses_an_open_host_without_a_key(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
-    import uvicorn
-
-    served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app, **options))
+    served = served_by_cli(monkeypatch)
     monkeypatch.setenv("RBC_TEST_KEY", "k3y")
     artifact = llama.save(tmp_path / "artifact")
-    assert main(["serve", str(artifact), "--host", "0.0.0.0", "--port", "9001",
+    assert main(["serve", str(artifact), "--host", "0.0.0.0", "--port", "0",
                  "--api-key-env", "RBC_TEST_KEY"]) == 0
-    assert (served["host"], served["port"]) == ("0.0.0.0", 9001)
+    assert served["address"][0] == "0.0.0.0" and served["address"][1] > 0
     assert served["app"].state.engine.prefill_chunk == 512          # the default
     client = TestClient(served["app"])
     assert client.get("/v1/models").status_code == 401
@@ -450,10 +449,7 @@ def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
 
 def test_cli_serve_compiles_plans_and_refuses_cuda_graphs_on_cpu(tmp_path, llama, monkeypatch,
                                                                 capsys):
-    import uvicorn
-
-    served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app))
+    served = served_by_cli(monkeypatch)
     artifact = llama.save(tmp_path / "artifact")
     assert main(["serve", str(artifact), "--cuda-graphs"]) == 2
     assert capsys.readouterr().err.strip() == ("rbcompile: error: CUDA graphs need the model on "
@@ -653,12 +649,9 @@ def test_pid_controller_sets_the_budget_of_requests_without_one(llama, slo_s, li
 
 
 def test_cli_serves_with_a_policy(tmp_path, llama, monkeypatch, capsys):
-    import uvicorn
-
     from rbcompile.runtime.policy import PIDPolicy
 
-    served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.update(app=app, **options))
+    served = served_by_cli(monkeypatch)
     artifact = llama.save(tmp_path / "artifact")
     assert main(["serve", str(artifact), "--policy", "pid", "--slo-ms", "50"]) == 0
     controller = served["app"].state.engine.controller

@@ -1,0 +1,74 @@
+"""What the batch engine (engine.py) is asked and what it counts: a request, the engine's
+counters, and a long prompt being prefilled in chunks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Callable
+
+import torch
+
+from .generation import RowTokens
+from .sampling import SamplingConfig
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One prompt to complete. `on_token(token)` and `on_finish(request)` run on the engine's
+    thread; after `on_finish`, `finish_reason` is 'stop', 'length', 'cancelled' or 'error'
+    (with `error` set)."""
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    stop: list[str] = field(default_factory=list)
+    budget: float | None = None
+    priority: int = 1               # lower first (QoS class: 0 interactive, 1 standard, 2 batch)
+    client: str | None = None       # who asked: rows are shared fairly among clients (waiting.py)
+    speculate: bool = False         # n-gram drafts verified in the batch step
+    on_token: Callable[[int], None] | None = None
+    on_finish: Callable[["EngineRequest"], None] | None = None
+    row: RowTokens = field(default_factory=lambda: RowTokens(0))
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    submitted: float = field(default_factory=perf_counter)
+    first_token_at: float | None = None
+    keep_first_logits: bool = False           # keep the prefill's logits (before `on_token`)
+    first_logits: torch.Tensor | None = None  # [vocab]: what its first token was drawn from
+    drafted: int = 0                # draft tokens verified (with `speculate`)
+    accepted: int = 0               # of those, kept
+    budget_run: float = 0.0         # the largest budget any forward it took part in ran
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.row.tokens
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started."""
+    prefills: int = 0               # prompts prefilled (a group of samples counts once)
+    prefill_forwards: int = 0       # forwards that prefilled them (several prompts each)
+    prefill_chunks: int = 0         # of those, chunks of prompts longer than `prefill_chunk`
+    reused_prompt_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache
+    decode_steps: int = 0
+    decode_rows: int = 0       # rows summed over decode steps (mean batch = rows / steps)
+    speculative_steps: int = 0      # decode steps that verified drafts
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    finished: int = 0
+
+
+@dataclass(eq=False)
+class ChunkedPrefill:
+    """A group whose prompt is being prefilled chunk by chunk: K/V [1, kv heads, prompt, head
+    dim] per cache tensor, the first `done` tokens' filled, under `gates`."""
+    group: list[EngineRequest]
+    kv: list[torch.Tensor]
+    gates: object
+    done: int = 0
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.group[0].prompt

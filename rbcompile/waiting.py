@@ -1,0 +1,61 @@
+"""The requests waiting for rows of the batch engine, in the order they join: the most urgent
+priority (QoS class) first; within it the group of the client that holds the fewest running
+rows, then the earliest. With one client that is arrival order; with several, a client that
+queued many requests takes turns with the others instead of holding every row until its
+queue drains."""
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(order=True)
+class WaitingGroup:
+    """Requests on one prompt that join together (`requests`: EngineRequests of one client)."""
+    priority: int
+    arrival: int
+    requests: tuple = field(compare=False)
+
+    @property
+    def client(self):
+        return self.requests[0].client
+
+
+class WaitingQueue:
+    """Groups sorted by (priority, arrival); `next(running)` picks as the module says. Not
+    locked: the engine holds its lock around every call."""
+
+    def __init__(self):
+        self.groups: list[WaitingGroup] = []
+        self.arrivals = itertools.count()
+
+    def push(self, priority: int, requests: tuple) -> None:
+        bisect.insort(self.groups, WaitingGroup(priority, next(self.arrivals), requests))
+
+    def next(self, running: Counter) -> WaitingGroup | None:
+        """The group to join next, `running` counting the rows each client holds."""
+        best = None
+        for group in self.groups:
+            if group.priority != self.groups[0].priority:
+                break
+            held = running[group.client]
+            if held == 0:
+                return group    # the earliest group of a client holding no row
+            if best is None or held < running[best.client]:
+                best = group
+        return best
+
+    def remove(self, group: WaitingGroup) -> None:
+        self.groups.remove(group)
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def __iter__(self):
+        return iter(self.groups)
+
+    @property
+    def requests(self) -> int:
+        return sum(len(group.requests) for group in self.groups)
