@@ -370,3 +370,82 @@ def test_idle_sockets_time_out_and_sigterm_cuts_a_stalled_body_at_the_drain_dead
         process.kill()
         for attacker in attackers:
             attacker.close()
+
+
+# ---- the soak -------------------------------------------------------------------------------
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def soak_request(client: httpx.Client, base: str, kind: int, rng: random.Random) -> int | None:
+    """One request of the soak's mix: its status, or None when the client left on purpose."""
+    body = {"prompt": PROMPT, "max_tokens": rng.randint(1, 8), "temperature": rng.choice([0, 0.8]),
+            "n": rng.randint(1, 2)}
+    if kind < 5:
+        return client.post(f"{base}/v1/completions", json=body).status_code
+    if kind < 7:
+        with client.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as response:
+            text = "".join(response.iter_text())
+            assert response.status_code != 200 or text.endswith("data: [DONE]\n\n")
+            return response.status_code
+    if kind == 7:   # leaves mid-stream
+        with client.stream("POST", f"{base}/v1/completions",
+                           json={**body, "stream": True, "max_tokens": 40}) as response:
+            next(response.iter_lines())
+        return None
+    if kind == 8:   # leaves before a non-streamed answer
+        port = int(base.rsplit(":", 1)[1])
+        raw = json.dumps({**body, "max_tokens": 40}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as leaving:
+            leaving.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                            b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+            time.sleep(0.01)
+        return None
+    bad = rng.choice(['{"prompt": ', '{"prompt": "a", "max_tokens": -1}', '{"prompt": "\\ud800"}',
+                      '{"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}', '[]'])
+    return client.post(f"{base}/v1/completions", content=bad,
+                       headers={"content-type": "application/json"}).status_code
+
+
+def test_a_soak_of_mixed_requests_loses_none_and_keeps_its_memory(llama):
+    """1,000 requests from 8 clients (completions, streams, clients leaving mid-stream or
+    before the answer, bad inputs) and one request of 64 choices: no 5xx, every request answered
+    but those whose client left, the engine idle after, and RSS within 10% of warm-up's."""
+    app = create_app(llama)
+    app.state.engine.idle_cache_bytes = 0
+    statuses, lock = [], threading.Lock()
+
+    def client_thread(seed: int, count: int):
+        rng = random.Random(seed)
+        with httpx.Client(timeout=60) as client:
+            for _ in range(count):
+                status = soak_request(client, base, rng.randrange(10), rng)
+                with lock:
+                    statuses.append(status)
+
+    def run(requests: int, seed: int):
+        threads = [threading.Thread(target=client_thread, args=(seed + i, requests // 8))
+                   for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+
+    with live(app) as base:
+        run(96, 0)
+        warm = rss_bytes()
+        batch = httpx.post(f"{base}/v1/completions", timeout=120,
+                           json={"prompt": [PROMPT] * 16, "n": 4, "max_tokens": 4})
+        assert batch.status_code == 200 and len(batch.json()["choices"]) == 64
+        run(904, 100)
+        deadline = time.monotonic() + 10
+        while (app.state.engine.running or app.state.engine.queued) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = rss_bytes()
+    answered = [status for status in statuses if status is not None]
+    assert len(statuses) == 1000 and all(status < 500 for status in answered)
+    assert sorted(set(answered)) == [200, 400]
+    assert not app.state.engine.running and app.state.engine.queued == 0
+    assert after <= 1.1 * warm, (warm, after)
