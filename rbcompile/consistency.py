@@ -425,7 +425,7 @@ class SampleGroup:
                  sampling: SamplingConfig, stop: list[str] | None = None,
                  budget: float | None = None, options: VoteOptions = VoteOptions(),
                  on_token: Callable[[int], None] | None = None, keep_first_logits: bool = False,
-                 lead=None):
+                 lead=None, client: str | None = None, priority: int = 1):
         from .requests import EngineRequest
 
         if engine.decode is None:
@@ -437,8 +437,8 @@ class SampleGroup:
         drawn = k - (lead is not None)
         self.seeds = [None if sampling.seed is None else sampling.seed + i for i in range(drawn)]
         self.requests = [EngineRequest(prompt, max_new_tokens, replace(sampling, seed=seed),
-                                       list(stop or []), budget, on_token=on_token,
-                                       on_finish=self._finished,
+                                       list(stop or []), budget, priority, client=client,
+                                       on_token=on_token, on_finish=self._finished,
                                        keep_first_logits=keep_first_logits)
                          for seed in self.seeds]
         self.waves = options.draw == "waves" and options.early_stop != "off"
@@ -500,7 +500,8 @@ class SampleGroup:
             self._draw()
 
     def cancel(self) -> None:
-        """Stop the samples still running (a client gone); no wave is drawn after."""
+        """Stop the samples still running (a client gone); no wave is drawn after. On the
+        engine's thread, like every change to the group."""
         self.waves = False
         self.requests = self.requests[:self.drawn]
         for request in self.requests:
@@ -581,12 +582,13 @@ class RoutedGroup:
 
     def __init__(self, engine, prompt: list[int], router, *, max_new_tokens: int,
                  sampling: SamplingConfig, stop: list[str] | None = None,
-                 budget: float | None = None, options: VoteOptions = VoteOptions()):
+                 budget: float | None = None, options: VoteOptions = VoteOptions(),
+                 client: str | None = None, priority: int = 1):
         _check_samples(max(router.tiers), sampling)
         self.engine, self.prompt, self.router, self.tier = engine, prompt, router, None
         self.features: list[float] | None = None
         self.options = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                            budget=budget, options=options)
+                            budget=budget, options=options, client=client, priority=priority)
         self.greedy = SampleGroup(engine, prompt, 1, **{**self.options, "sampling": replace(
             sampling, do_sample=False)}, on_token=self._route, keep_first_logits=True)
         self.group = self.greedy

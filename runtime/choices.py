@@ -6,6 +6,8 @@ import asyncio
 import time
 from typing import Callable, Protocol
 
+from starlette.responses import StreamingResponse
+
 from rbcompile.guard import GuardedPlan
 from rbcompile.runtime.serve_metrics import Metrics
 
@@ -71,26 +73,47 @@ class ChatFormat:
 COMPLETION, CHAT = CompletionFormat(), ChatFormat()
 
 
+class RunStream(StreamingResponse):
+    """A stream of a `TokenRun` that closes the run however the response ends, even when the
+    client left before its generator started (which then runs no `finally` of its own)."""
+
+    def __init__(self, run: "TokenRun", content, **options):
+        super().__init__(content, **options)
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+
+
 class TokenRun:
     """A generation's (choice, token) events, and its counters for the metrics once they end
     (`counts()`: draft tokens verified and accepted, and `generate`'s decode steps by mode;
-    the engine's steps are read from the engine itself); `release()` runs when the events end
-    (the client's share of the queue given back)."""
+    the engine's steps are read from the engine itself); `close()` runs when the events end."""
 
     def __init__(self, events, counts: Callable[[], tuple[int, int, dict]],
-                 plan: Callable[[], dict], release: Callable[[], None] = lambda: None):
+                 plan: Callable[[], dict], close: Callable[[], None] = lambda: None):
         self.counts, self.plan, self.started, self.tokens = counts, plan, time.perf_counter(), 0
-        self.events = self._counted(events, release)
+        self._close, self.closed = close, False
+        self.events = self._counted(events)
 
-    async def _counted(self, events, release: Callable[[], None]):
-        """`events`, counted; `release()` once they end, however they end."""
+    def close(self) -> None:
+        """Once: give the client's share back and cancel what still runs (also for events
+        never iterated: a stream whose client left before its first chunk)."""
+        if not self.closed:
+            self.closed = True
+            self._close()
+
+    async def _counted(self, events):
         try:
             async for event in events:
                 self.tokens += 1
                 yield event
         finally:
-            release()
-            await events.aclose()   # its own finally blocks (cancelling what still runs) now
+            self.close()
+            await events.aclose()   # its own finally blocks now
 
     def record(self, metrics: Metrics) -> None:
         drafted, accepted, steps_by_mode = self.counts()

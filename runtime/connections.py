@@ -83,8 +83,8 @@ class GuardedH11Protocol(H11Protocol):
             self.header_timer = None
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
+        super().on_response_complete()   # may start a pipelined request's cycle at once
+        if not self.transport.is_closing() and self.cycle.response_complete:
             self._expect_headers()
 
     def connection_lost(self, exc) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 import uuid
@@ -29,7 +30,7 @@ from typing import Callable
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -41,7 +42,8 @@ from rbcompile.guard import DECODER, GuardedPlan, guard_budget
 from rbcompile.prefix_cache import PrefixCache
 from rbcompile.quality import mean_pool
 from rbcompile.runtime.admission import QOS_CLASSES, Overloaded, Watermarks, admit
-from rbcompile.runtime.choices import CHAT, COMPLETION, ChoiceFormat, TokenRun, deliver, plan_headers
+from rbcompile.runtime.choices import (CHAT, COMPLETION, ChoiceFormat, RunStream, TokenRun, deliver,
+                                       plan_headers)
 from rbcompile.runtime.decode_control import DecodeController
 from rbcompile.runtime.gatekeeper import Gatekeeper
 from rbcompile.runtime.limits import ClientChoices, ServeLimits
@@ -308,8 +310,8 @@ class _Service:
             raise
         if body.stream:
             counted = prompt_tokens if body.stream_options and body.stream_options.include_usage else None
-            return StreamingResponse(self._sse(run, header, fmt, choices, stop, max_tokens, counted),
-                                     media_type="text/event-stream", headers=plan_headers(job.asked))
+            return RunStream(run, self._sse(run, header, fmt, choices, stop, max_tokens, counted),
+                             media_type="text/event-stream", headers=plan_headers(job.asked))
         tokens = await until_disconnected(request, _collect(run, choices))
         run.record(self.metrics)
         return {**header,
@@ -382,9 +384,15 @@ class _Service:
             for request in requests:
                 engine.cancel(request)
             raise
+        def close():
+            job.release()
+            for request in requests:
+                if request.finish_reason is None:
+                    engine.cancel(request)
+
         return TokenRun(self._engine_events(requests, queue), lambda: (
             sum(r.drafted for r in requests), sum(r.accepted for r in requests), {}),
-            lambda: self._plan_report(job.asked, max(r.budget_run for r in requests)), job.release)
+            lambda: self._plan_report(job.asked, max(r.budget_run for r in requests)), close)
 
     async def _engine_events(self, requests: list[EngineRequest], queue: asyncio.Queue):
         """(choice, token) as the engine emits them; stopping early (a client gone) cancels
@@ -428,12 +436,14 @@ class _Service:
             group = await self.worker.call(
                 start_vote, self.compiled, engine, prompt, body.rbcompile.consistency,
                 options=vote, max_new_tokens=job.max_tokens, sampling=sampling, stop=job.stop,
-                budget=job.asked.budget if body.rbcompile.budget is not None else None)
+                budget=job.asked.budget if body.rbcompile.budget is not None else None,
+                client=job.client, priority=QOS_CLASSES.index(body.rbcompile.qos))
             try:
                 await until_disconnected(request, self.worker.until(lambda: group.done))
             finally:
                 if not group.done:
-                    group.cancel()
+                    with contextlib.suppress(ApiError):   # 503: shutting down, nothing runs
+                        await self.worker.call(group.cancel)
         finally:
             job.release()
         result = vote_result(group, started, engine.stats.prefills - before[0],

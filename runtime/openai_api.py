@@ -22,7 +22,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def response(self) -> JSONResponse:
-        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": str(RETRY_AFTER_S)}}
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": str(RETRY_AFTER_S)},
+                   408: {"Connection": "close"}, 413: {"Connection": "close"}}  # body unread
         return JSONResponse(error_body(self.message, self.param, self.code), status_code=self.status,
                             headers=headers.get(self.status))
 
