@@ -2,7 +2,8 @@
 every decode step (as vLLM and TGI do), each with its own sampling, stop conditions and budget.
 
 Calls go one way. `BatchEngine.step()` admits waiting requests, highest priority (QoS class)
-first, then the client holding the fewest rows, then by arrival (waiting.py), and prefills the newcomers together: one forward over their prompts,
+first, then the client holding the fewest rows, then by arrival (waiting.py; a client under
+its fair share of rows may send others' rows back to the queue, preempted), and prefills the newcomers together: one forward over their prompts,
 left-padded to the longest part not in the `PrefixCache` (at most `prefill_tokens` padded
 tokens, unless one prompt alone is longer), written straight into the `BatchKVCache` rows the
 requests will decode in, after the cached blocks of each prompt are copied there; each
@@ -49,9 +50,9 @@ from .generation import StopCriteria, check_lengths, check_stop
 from .kv_cache import (BatchKVCache, DecoderShape, copy_blocks, power_of_two_at_least,
                        release_freed_memory, zeros)
 from .prefix_cache import PrefixCache
-from .requests import ChunkedPrefill, EngineRequest, EngineStats
-from .sampling import verify
-from .waiting import WaitingQueue
+from .requests import ChunkedPrefill, EngineRequest, EngineStats, check_engine_options
+from .sampling import verify_rows
+from .waiting import WaitingQueue, fair_victims
 
 IDLE_CACHE_BYTES = 64 << 20
 
@@ -78,15 +79,7 @@ class BatchEngine:
                  prefill_chunk: int | None = 512, draft_tokens: int = 4, verify_tokens: int = 64,
                  batch_buckets: bool = False, release_cache: Callable | None = None,
                  unpadded_prefill: bool = False):
-        if max_batch < 1:
-            raise UserError(f"max_batch must be >= 1, got {max_batch}")
-        if prefill_tokens < 1:
-            raise UserError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise UserError(f"prefill_chunk must be >= 1 (None: never chunk), got {prefill_chunk}")
-        if draft_tokens < 1 or verify_tokens < 1:
-            raise UserError(f"draft_tokens and verify_tokens must be >= 1, got {draft_tokens} "
-                            f"and {verify_tokens}")
+        check_engine_options(max_batch, prefill_tokens, prefill_chunk, draft_tokens, verify_tokens)
         self.prefill_tokens, self.prefill_chunk = prefill_tokens, prefill_chunk
         self.draft_tokens, self.verify_tokens = draft_tokens, verify_tokens
         self.batch_buckets, self.unpadded_prefill = batch_buckets, unpadded_prefill
@@ -160,10 +153,7 @@ class BatchEngine:
 
     def queued_by_priority(self) -> dict[int, int]:
         with self.wake:
-            counts: dict[int, int] = {}
-            for group in self.waiting:
-                counts[group.priority] = counts.get(group.priority, 0) + len(group.requests)
-        return counts
+            return self.waiting.by_priority()
 
     @property
     def has_work(self) -> bool:
@@ -182,7 +172,7 @@ class BatchEngine:
             if decoding:
                 self._decode()
             if not (self.running or self.chunked) and self.cache.nbytes > self.idle_cache_bytes:
-                self.cache = self._new_cache()   # idle: a long request's K/V go back
+                self.cache = self.cache.emptied()   # idle: a long request's K/V go back
                 release_freed_memory()
             return chunked or decoding
         except Exception as exc:
@@ -200,11 +190,13 @@ class BatchEngine:
         while True:
             with self.wake:
                 waiting = self.waiting.next(held)
+                if waiting is not None and rows + len(waiting.requests) > self.max_batch:
+                    rows -= self._preempt_for(waiting, held, self.max_batch - rows)
                 if waiting is None or rows + len(waiting.requests) > self.max_batch:
                     break
                 group = waiting.requests
-                long = self.prefill_chunk is not None and len(group[0].prompt) > self.prefill_chunk
-                width = max(longest, len(group[0].prompt))
+                long = self.prefill_chunk is not None and len(group[0].context) > self.prefill_chunk
+                width = max(longest, len(group[0].context))
                 if long and self.chunked is not None or \
                         not long and groups and (len(groups) + 1) * width > self.prefill_tokens:
                     break
@@ -231,6 +223,19 @@ class BatchEngine:
         self._leave_finished()
         return chunked
 
+    def _preempt_for(self, waiting, held: Counter, free: int) -> int:
+        """Send rows of clients over their fair share back to the queue so `waiting` fits
+        (waiting.py); they rejoin by prefilling their prompt and tokens (recompute, as vLLM
+        preempts). The rows freed."""
+        victims = fair_victims(self.running, waiting, held, self.max_batch, free,
+                               self.waiting.clients(self.running))
+        for index in sorted(victims, reverse=True):
+            request = self._remove_row(index)
+            held[request.client] -= 1
+            self.waiting.push(request.priority, (request,))
+            self.stats.preempted += 1
+        return len(victims)
+
     def _live(self, group: list[EngineRequest]) -> list[EngineRequest]:
         """The requests of `group` not cancelled; the cancelled ones finish."""
         live = []
@@ -244,7 +249,7 @@ class BatchEngine:
     def _start_chunked(self, group: list[EngineRequest]) -> ChunkedPrefill:
         """K/V of the group's whole prompt, the prefix cache's blocks copied in, under the
         gates of the group's budget now."""
-        prompt, gates, shape = group[0].prompt, self._gates(group), self.shape
+        prompt, gates, shape = group[0].context, self._gates(group), self.shape
         kv = zeros(2 * shape.layers, (1, shape.kv_heads, len(prompt), shape.head_dim),
                    shape.dtype, shape.device)
         blocks = self.prefix_cache.lookup(prompt, gates) if self.prefix_cache else []
@@ -290,7 +295,7 @@ class BatchEngine:
         run in one forward for every group, left-padded), fork that row for each other request
         of its group, and emit each one's first token."""
         cache, device, gates = self.cache, self.shape.device, self._gates(self.running)
-        prompts = [group[0].prompt for group in groups]
+        prompts = [group[0].context for group in groups]
         hits = [self.prefix_cache.lookup(prompt, gates) if self.prefix_cache else []
                 for prompt in prompts]
         reused = [len(blocks) * (self.prefix_cache.block_tokens if blocks else 0) for blocks in hits]
@@ -325,8 +330,11 @@ class BatchEngine:
             self._first_tokens(group, row_logits)
 
     def _first_tokens(self, group: list[EngineRequest], logits: torch.Tensor) -> None:
-        """Each request of a group draws its first token from its prompt's logits [vocab]."""
+        """Each request of a group draws its first token from its prompt's logits [vocab] (a
+        resumed one has its tokens: its last is the next step's input)."""
         for request in group:
+            if request.tokens:
+                continue
             if request.keep_first_logits:
                 request.first_logits = logits
             self._emit(request, int(request.sampling.choose(logits[None], self.generators[request])))
@@ -383,24 +391,15 @@ class BatchEngine:
                 if request in self.drafters else [] for request in self.running]
 
     def _verify(self, logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
-        """Each row's tokens from the step's logits [rows, width, vocab]: the drafts the full
-        path keeps and the token after them (rows without drafts: a token from position 0)."""
-        greedy = logits[:, 0].argmax(-1).tolist()
-        emitted = []
-        for index, (request, draft) in enumerate(zip(self.running, drafts)):
-            generator = self.generators[request]
-            if draft:
-                kept, following = verify(request.sampling, logits[index, :len(draft) + 1],
-                                         torch.tensor(draft, device=logits.device), None, generator)
-                request.drafted += len(draft)
-                request.accepted += kept
-                self.stats.drafted += len(draft)
-                self.stats.accepted += kept
-                emitted.append(draft[:kept] + [following])
-            elif request.sampling.do_sample:
-                emitted.append([int(request.sampling.choose(logits[index, :1], generator))])
-            else:
-                emitted.append([greedy[index]])
+        """Each row's tokens from the step's logits [rows, width, vocab] (`sampling.verify_rows`)."""
+        emitted = verify_rows(logits, [request.sampling for request in self.running], drafts,
+                              [self.generators[request] for request in self.running])
+        for request, draft, tokens in zip(self.running, drafts, emitted):
+            kept = len(tokens) - 1 if draft else 0
+            request.drafted += len(draft)
+            request.accepted += kept
+            self.stats.drafted += len(draft)
+            self.stats.accepted += kept
         return emitted
 
     def _gates(self, requests: list[EngineRequest]):
@@ -467,13 +466,17 @@ class BatchEngine:
     def _leave_finished(self) -> None:
         """Finished rows leave the batch (the last row moves into each freed one)."""
         for index in reversed(range(len(self.running))):
-            request = self.running[index]
-            if request.finish_reason is None:
-                continue
-            self.cache.leave(index)
-            self.running[index] = self.running[-1]
-            self.running.pop()
-            self._finish(request, request.finish_reason)
+            if self.running[index].finish_reason is not None:
+                request = self._remove_row(index)
+                self._finish(request, request.finish_reason)
+
+    def _remove_row(self, index: int) -> EngineRequest:
+        """Row `index` leaves the batch (the last row moves into its place): its request."""
+        request = self.running[index]
+        self.cache.leave(index)
+        self.running[index] = self.running[-1]
+        self.running.pop()
+        return request
 
     def _finish(self, request: EngineRequest, reason: str, error: BaseException | None = None) -> None:
         request.finish_reason, request.error = reason, error
@@ -489,12 +492,6 @@ class BatchEngine:
         failed, self.running = self.running, []
         if self.chunked is not None:
             failed, self.chunked = failed + self.chunked.group, None
-        self.cache = self._new_cache()
+        self.cache = self.cache.emptied()
         for request in failed:
             self._finish(request, "error", exc)
-
-    def _new_cache(self) -> BatchKVCache:
-        """An empty cache of one block in place of this one (whose tensors are dropped)."""
-        self.cache.drop(self.cache.tensors)
-        return BatchKVCache(self.shape, self.max_batch, self.cache.block,
-                            power_of_two=self.batch_buckets, on_drop=self.cache.on_drop)

@@ -427,6 +427,12 @@ class BatchKVCache:
         self._views = (None, None, None)
         self.drop(old)
 
+    def emptied(self) -> "BatchKVCache":
+        """An empty cache of one block, like this one, in its place (its tensors dropped)."""
+        self.drop(self.tensors)
+        return BatchKVCache(self.shape, self.rows, self.block, power_of_two=self.power_of_two,
+                            on_drop=self.on_drop)
+
     def drop(self, tensors: list[torch.Tensor]) -> None:
         """`tensors` (this cache's, before it grew or was replaced) will not be used again."""
         if self.on_drop is not None:

@@ -1,5 +1,5 @@
 """What the batch engine (engine.py) is asked and what it counts: a request, the engine's
-counters, and a long prompt being prefilled in chunks."""
+counters, a long prompt being prefilled in chunks, and the engine's options checked."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from .errors import UserError
 from .generation import RowTokens
 from .sampling import SamplingConfig
 
@@ -43,6 +44,12 @@ class EngineRequest:
     def tokens(self) -> list[int]:
         return self.row.tokens
 
+    @property
+    def context(self) -> list[int]:
+        """What joining the batch prefills: the prompt; after a preemption also the tokens
+        but the last, which the next decode step takes as its input."""
+        return self.prompt + self.tokens[:-1] if self.tokens else self.prompt
+
 
 @dataclass
 class EngineStats:
@@ -58,6 +65,7 @@ class EngineStats:
     accepted: int = 0
     tokens: int = 0
     finished: int = 0
+    preempted: int = 0              # rows sent back to the queue for a client under its share
 
 
 @dataclass(eq=False)
@@ -71,4 +79,18 @@ class ChunkedPrefill:
 
     @property
     def prompt(self) -> list[int]:
-        return self.group[0].prompt
+        return self.group[0].context
+
+
+def check_engine_options(max_batch: int, prefill_tokens: int, prefill_chunk: int | None,
+                         draft_tokens: int, verify_tokens: int) -> None:
+    """A one-line UserError for a BatchEngine option out of range."""
+    if max_batch < 1:
+        raise UserError(f"max_batch must be >= 1, got {max_batch}")
+    if prefill_tokens < 1:
+        raise UserError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise UserError(f"prefill_chunk must be >= 1 (None: never chunk), got {prefill_chunk}")
+    if draft_tokens < 1 or verify_tokens < 1:
+        raise UserError(f"draft_tokens and verify_tokens must be >= 1, got {draft_tokens} "
+                        f"and {verify_tokens}")

@@ -63,6 +63,25 @@ class SamplingConfig:
         return torch.multinomial(self.probabilities(logits), 1, generator=generator).squeeze(-1)
 
 
+def verify_rows(logits: torch.Tensor, configs: list[SamplingConfig], drafts: list[list[int]],
+                generators: list) -> list[list[int]]:
+    """Each row's tokens from one batch step's logits [rows, width, vocab]: the drafts the full
+    path keeps and the token after them (`verify`); a row without drafts, a token from its
+    first position."""
+    greedy = logits[:, 0].argmax(-1).tolist()
+    emitted = []
+    for index, (config, draft, generator) in enumerate(zip(configs, drafts, generators)):
+        if draft:
+            kept, following = verify(config, logits[index, :len(draft) + 1],
+                                     torch.tensor(draft, device=logits.device), None, generator)
+            emitted.append(draft[:kept] + [following])
+        elif config.do_sample:
+            emitted.append([int(config.choose(logits[index, :1], generator))])
+        else:
+            emitted.append([greedy[index]])
+    return emitted
+
+
 def verify(config: SamplingConfig, logits: torch.Tensor, drafts: torch.Tensor,
            draft_probs: torch.Tensor | None = None, generator=None) -> tuple[int, int]:
     """(number of drafts kept, the token that follows them) for one row.

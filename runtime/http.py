@@ -349,7 +349,7 @@ class _Service:
             self.metrics.refused.labels(exc.reason).inc()
             raise ApiError(503, str(exc), code="overloaded") from None
         if not self.clients.take(job.client, job.choices):
-            self.metrics.refused.labels("client").inc()
+            self.metrics.refused_by_client.inc()
             raise ApiError(429, f"this client has {self.clients.held.get(job.client, 0)} choices "
                            f"queued or running and asks {job.choices} more: at most "
                            f"{self.limits.max_client_choices} at once; retry later",

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (`GET /metrics`)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 
 from rbcompile.runtime.admission import QOS_CLASSES
@@ -44,6 +44,11 @@ class Metrics:
                                "they asked for", ["drafter"], registry=r)
         self.tier = Counter("rbcompile_consistency_tier", "Voted completions by samples tier (1, 3, "
                             "7; under auto, the router's choice)", ["tier"], registry=r)
+        self.kv_bytes = Gauge("rbcompile_kv_cache_bytes", "K/V bytes of the running batch's cache "
+                              "(an idle engine gives back all but one block)", registry=r)
+        self.refused_by_client = Counter("rbcompile_client_refusals", "Requests refused with 429: "
+                                         "their client held its share of the queue", registry=r)
+        ProcessCollector(registry=r)   # process_resident_memory_bytes and the like
         self.steps = DrafterSteps()
         r.register(self.steps)
         self.engine = None
@@ -68,6 +73,7 @@ class Metrics:
         self.batch_rows.set_function(lambda: len(engine.running))
         self.budget.set_function(lambda: engine.budget or 0.0)
         self.queued.set_function(lambda: engine.queued)
+        self.kv_bytes.set_function(lambda: engine.cache.nbytes)
         if engine.prefix_cache is not None:
             self.prefix_hit_rate.set_function(lambda: engine.prefix_cache.stats.hit_rate)
             self.prefix_bytes.set_function(lambda: engine.prefix_cache.nbytes)

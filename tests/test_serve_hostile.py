@@ -172,6 +172,7 @@ def test_a_request_counts_all_its_choices_against_the_queue_and_its_client(llama
         assert refused.json()["error"]["message"].startswith("this client has 2 choices queued")
         streaming.join(60)
         assert httpx.post(f"{base}/v1/completions", json={**long, "max_tokens": 1}).status_code == 200
+        assert "rbcompile_client_refusals_total 1.0" in httpx.get(f"{base}/metrics").text
 
 
 def test_freed_rows_go_to_the_client_holding_the_fewest(llama):
@@ -184,6 +185,24 @@ def test_freed_rows_go_to_the_client_holding_the_fewest(llama):
     assert other.first_token_at < flood[1].first_token_at   # joined with the flood's first
     alone = llama.generate(torch.tensor([prompt]), max_new_tokens=8).tokens[0]
     assert other.tokens == alone and all(request.tokens == alone for request in flood)
+
+
+def test_a_client_under_its_share_preempts_a_row_of_one_over_it(llama):
+    """Two rows, both the flood's: a second client's request takes one of them at the next
+    step (the flood's row goes back to the queue and rejoins by recompute); every request
+    still gets the tokens it gets alone."""
+    engine = llama.batch_engine(2)
+    prompt = llama.tokenizer(PROMPT)["input_ids"]
+    flood = [engine.submit(EngineRequest(prompt, 30, client="flood")) for _ in range(2)]
+    for _ in range(5):
+        engine.step()
+    other = engine.submit(EngineRequest(prompt, 8, client="other"))
+    engine.step()
+    assert other in engine.running and engine.stats.preempted == 1
+    while engine.has_work:
+        engine.step()
+    alone = llama.generate(torch.tensor([prompt]), max_new_tokens=30).tokens[0]
+    assert other.tokens == alone[:8] and all(request.tokens == alone for request in flood)
 
 
 # ---- 3. a client gone -----------------------------------------------------------------------
