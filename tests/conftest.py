@@ -219,3 +219,19 @@ def served_by_cli(monkeypatch) -> dict:
 
     monkeypatch.setattr(connections, "serve", capture)
     return served
+
+
+def wait_for_health(base: str, process, timeout: float = 120) -> None:
+    """Until `rbcompile serve` in `process` answers GET {base}/health (its stderr on failure)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return
+        except httpx.ConnectError:
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.2)

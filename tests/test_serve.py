@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from tokenizers.processors import TemplateProcessing
 
 import rbcompile
-from conftest import served_by_cli, text_streamed_through_sigterm
+from conftest import served_by_cli, text_streamed_through_sigterm, wait_for_health
 from rbcompile.cli import main
 from rbcompile.quality import mean_pool
 from rbcompile.runtime.http import ServeLimits, create_app
@@ -559,14 +559,7 @@ def test_sigterm_drains_the_requests_in_flight_and_exits_0(llama, tmp_path):
                                 "--port", str(port)], stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-                time.sleep(0.2)
+        wait_for_health(base, process)
         body = {"prompt": PROMPTS[0], "max_tokens": 50, "stream": True, "temperature": 0}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
             text = text_streamed_through_sigterm(response, process)

@@ -20,6 +20,7 @@ import torch
 from fastapi.testclient import TestClient
 
 import rbcompile
+from conftest import wait_for_health
 from rbcompile.engine import EngineRequest
 from rbcompile.runtime import connections
 from rbcompile.runtime.http import create_app
@@ -73,6 +74,13 @@ def health_latencies(base: str, seconds: float) -> list[float]:
         latencies.append(time.monotonic() - started)
         time.sleep(0.05)
     return latencies
+
+
+def run_threads(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
 
 
 def during(attack, check):
@@ -229,6 +237,28 @@ def test_a_non_streaming_client_that_leaves_cancels_its_work(llama):
     assert 'rbcompile_requests_total{endpoint="/v1/completions",status="499"} 1.0' in metrics
 
 
+def test_a_stream_left_at_once_gives_back_its_rows_and_its_client_share(llama):
+    def memory() -> float:   # admission reads it: the client is gone by the time it returns
+        time.sleep(0.2)
+        return 0.0
+
+    app = slowed(create_app(llama, limits=ServeLimits(max_client_choices=2), memory=memory), 0.05)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 50, "n": 2, "stream": True}).encode()
+    with live(app) as base:
+        port = int(base.rsplit(":", 1)[1])
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                               b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            time.sleep(0.5)   # the server has read it, and seen the client leave
+            deadline = time.monotonic() + 3
+            while (app.state.engine.running or app.state.engine.queued) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not app.state.engine.running and app.state.engine.queued == 0
+        again = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "n": 2})
+    assert again.status_code == 200, again.text
+
+
 # ---- 4. a vote ------------------------------------------------------------------------------
 
 def test_a_vote_runs_in_the_shared_batch_while_other_streams_keep_their_pace(llama):
@@ -266,13 +296,9 @@ def test_megabyte_prompts_are_tokenised_off_the_event_loop(llama):
     prompt = "the a of " * ((1 << 20) // 9 - 10)   # within the 1 MiB body limit
 
     def attack():
-        threads = [threading.Thread(target=httpx.post, args=(f"{base}/v1/completions",),
-                                    kwargs={"json": {"prompt": prompt}, "timeout": 60})
-                   for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        run_threads([threading.Thread(target=httpx.post, args=(f"{base}/v1/completions",),
+                                      kwargs={"json": {"prompt": prompt}, "timeout": 60})
+                     for _ in range(8)])
 
     with live(app) as base:
         latencies = during(attack, lambda: health_latencies(base, 1.5))
@@ -333,14 +359,7 @@ def test_idle_sockets_time_out_and_sigterm_cuts_a_stalled_body_at_the_drain_dead
                                                             (512, 512)))
     attackers = []
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                assert process.poll() is None and time.monotonic() < deadline
-                time.sleep(0.2)
+        wait_for_health(base, process)
         body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0}
 
         def completion_s() -> float:
@@ -445,12 +464,8 @@ def test_a_soak_of_mixed_requests_loses_none_and_keeps_its_memory(llama):
                     statuses.append(status)
 
     def run(requests: int, seed: int):
-        threads = [threading.Thread(target=client_thread, args=(seed + i, requests // 8))
-                   for i in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
+        run_threads([threading.Thread(target=client_thread, args=(seed + i, requests // 8))
+                     for i in range(8)])
 
     with live(app) as base:
         run(96, 0)
