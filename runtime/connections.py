@@ -174,8 +174,8 @@ class DrainingServer(uvicorn.Server):
 
 class _OncePerSecond:
     """The event loop's exception handler: each kind of error (its message) logged at most
-    once a second, with a count of those left out (an accept loop out of descriptors fails
-    on every attempt)."""
+    once a second, with a count of those left out (asyncio's accept loop out of descriptors
+    reports every one of its up to `backlog` attempts: thousands a second)."""
 
     def __init__(self):
         self.last: dict[str, float] = {}
@@ -190,4 +190,4 @@ class _OncePerSecond:
         skipped = self.skipped.pop(message, 0)
         error = context.get("exception")
         log.error("%s%s%s", message, f": {error!r}" if error is not None else "",
-                  f" ({skipped} more like it in the last second)" if skipped else "")
+                  f" ({skipped} more like it since the last)" if skipped else "")
