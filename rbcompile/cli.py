@@ -707,27 +707,11 @@ def _serve_ray(args, api_key: str | None) -> None:
 
 
 def _serve_policy(args, max_budget: float):
-    """The policy `--policy` names (runtime/policy.py, runtime/ppo.py); pid's range ends at
-    `max_budget` (the largest the quality guard allows)."""
-    from .errors import UserError
-    from .runtime.pid import PIDConfig
-    from .runtime.policy import GuardedPolicy, PIDPolicy, StaticPolicy
+    """The policy of --policy and its options (runtime/serve_policy.py)."""
+    from .runtime.serve_policy import PolicyOptions, build_policy
 
-    if not args.slo_ms > 0:
-        raise UserError(f"--slo-ms must be > 0, got {args.slo_ms}")
-    if (args.policy == "ppo") != bool(args.policy_file):
-        raise UserError("--policy-file goes with --policy ppo, and --policy ppo needs it")
-    if args.policy == "static":
-        return StaticPolicy(args.budget)
-    if args.policy == "pid":
-        return PIDPolicy(PIDConfig(setpoint=args.slo_ms / 1000, period_s=0.25),
-                         max_budget=max_budget)
-    from .runtime.ppo import PPOPolicy
-    policy = PPOPolicy.load(args.policy_file)
-    if policy.info.get("simulator") != "decode-step":
-        raise UserError(f"{args.policy_file}: trained for whole requests (AdaptiveServer); serve "
-                        "needs a policy from train-policy --simulator decode-step")
-    return GuardedPolicy(policy, StaticPolicy(0.0))
+    return build_policy(PolicyOptions(args.policy, args.budget, args.slo_ms, args.policy_file),
+                        max_budget)
 
 
 def _quality_guard(args, model) -> None:

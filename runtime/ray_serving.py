@@ -8,7 +8,7 @@ readable on every node) and serves `create_app(...)` (runtime/http.py) unchanged
 `x-rbcompile-replica`.
 
 The controller: one Ray actor, `ClusterBudget`, runs the policy `--policy` names (built as a
-single server builds it, `cli._serve_policy`) over the aggregate of the replicas' states. On each
+single server builds it, `serve_policy.build_policy`) over the aggregate of the replicas' states. On each
 replica the DecodeController's policy is a `ClusterPolicy`: `observe` hands the local
 `PolicyState` to a sender thread (the model thread never waits on Ray), which reports it to the
 actor and keeps the cluster's answer; `decide` returns the latest answer. A slow or dead actor
@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-from types import SimpleNamespace
 from typing import Callable
 
 from ..errors import UserError
@@ -90,18 +89,20 @@ class ClusterBudget:
         self._decided_at: float | None = None
 
     def start(self, policy_args: dict, artifact: str) -> str | None:
-        """Build the policy on the cluster, as a single server does (`cli._serve_policy`; pid
+        """Build the policy on the cluster, as a single server does (`serve_policy`; pid
         reads the artifact's plans, ppo its --policy-file): None, or the user error's text."""
         from .. import manifest as manifests
-        from ..cli import _serve_policy
         from ..guard import DECODER, QualityGuard, lossy_budgets
+        from .serve_policy import PolicyOptions, build_policy
         from pathlib import Path
 
         try:
             plans = manifests.read(Path(artifact)).get("plans") if policy_args["policy"] == "pid" else None
             guard = QualityGuard(policy_args["max_quality_loss"], policy_args["allow_unmeasured_plans"])
             most = max(lossy_budgets(plans, guard, DECODER), default=0.0)
-            self.policy = _serve_policy(SimpleNamespace(**policy_args), most)
+            options = PolicyOptions(policy_args["policy"], policy_args["budget"],
+                                    policy_args["slo_ms"], policy_args["policy_file"])
+            self.policy = build_policy(options, most)
         except UserError as exc:
             return str(exc)
         return None
