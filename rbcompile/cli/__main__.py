@@ -1,0 +1,4 @@
+"""`python -m rbcompile.cli`."""
+from . import entry
+
+entry()
