@@ -43,7 +43,8 @@ from common import pin_threads, print_table, write_json  # noqa: E402
 from train_consistency_router import SEED, parse_setting  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.consistency import RoutedGroup, SampleGroup, VoteOptions, normalise  # noqa: E402
+from rbcompile.consistency import VoteOptions, normalise  # noqa: E402
+from rbcompile.vote_sampling import RoutedGroup, SampleGroup  # noqa: E402
 from rbcompile.consistency_router import find_router, label_tier, vote_of  # noqa: E402
 from rbcompile.prefix_cache import PrefixCache  # noqa: E402
 from rbcompile.sampling import SamplingConfig  # noqa: E402

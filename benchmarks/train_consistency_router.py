@@ -34,7 +34,8 @@ import consistency_questions as questions  # noqa: E402
 from common import RESULTS, pin_threads, print_table  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.consistency import RoutedGroup, SampleGroup, VoteOptions, normalise  # noqa: E402
+from rbcompile.consistency import VoteOptions, normalise  # noqa: E402
+from rbcompile.vote_sampling import RoutedGroup, SampleGroup  # noqa: E402
 from rbcompile.consistency_router import TIERS, label_tier, train_router, vote_of  # noqa: E402
 from rbcompile.prefix_cache import PrefixCache  # noqa: E402
 from rbcompile.sampling import SamplingConfig  # noqa: E402

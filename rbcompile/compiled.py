@@ -284,7 +284,7 @@ class CompiledModel:
         token for token whatever the drafter; sampling keeps its distribution.
 
         `consistency`: "off", or 1, 3 or 7 samples of one prompt voted on (self-consistency,
-        rbcompile/consistency.py: the samples share the prompt's K/V, sample i seeded seed + i,
+        rbcompile/vote_sampling.py: the samples share the prompt's K/V, sample i seeded seed + i,
         early stop once the vote is decided), or "auto": as many as the complexity router
         trained for this checkpoint picks from the prompt and its first-token logits
         (rbcompile/consistency_router.py). A `ConsistencyResult` (the voted answer, its votes,
@@ -300,7 +300,7 @@ class CompiledModel:
                             "(recompile it with this rbcompile)")
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
         if consistency != "off" or vote is not None:
-            from .consistency import generate_voted
+            from .vote_sampling import generate_voted
 
             if consistency == "off":
                 raise UserError("vote options need consistency=1, 3, 7 or 'auto'")

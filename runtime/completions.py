@@ -16,7 +16,8 @@ from typing import Callable
 from fastapi import Request
 from jinja2 import TemplateError
 
-from rbcompile.consistency import VoteOptions, check_vote, start_vote, vote_result
+from rbcompile.consistency import VoteOptions
+from rbcompile.vote_sampling import check_vote, start_vote, vote_result
 from rbcompile.errors import first_line
 from rbcompile.guard import DECODER, GuardedPlan, guard_budget
 from rbcompile.requests import EngineRequest

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from rbcompile.consistency import (VoteOptions, Voter, choice_letter, extractor, first_line,
                                    last_number, leader_probability, majority_vote, minilm_embed,
-                                   normalise, sample_and_vote, tally)
+                                   normalise, tally)
+from rbcompile.vote_sampling import sample_and_vote
 from rbcompile.engine import EngineRequest
 from rbcompile.errors import UserError
 from rbcompile.sampling import SamplingConfig
@@ -448,7 +449,7 @@ def test_the_greedy_lead_wins_ties_and_waves_count_it(llama):
     """A routed vote counts the greedy row first even when samples finish before it (so a tie
     goes to the greedy answer); with waves, tier 7 of agreeing answers draws the greedy row and
     3 samples only."""
-    from rbcompile.consistency import RoutedGroup, SampleGroup
+    from rbcompile.vote_sampling import RoutedGroup, SampleGroup
     from rbcompile.prefix_cache import PrefixCache
 
     def routed(tier, options, sampling=SAMPLED):
@@ -497,7 +498,7 @@ def test_labels_and_the_threshold():
 def test_routed_prompts_prefilled_together_are_routed_on_their_own_logits(llama):
     """Two `consistency='auto'` prompts join one engine step (one prefill forward): each is
     routed on its own prompt and its own first-token logits, as it is alone."""
-    from rbcompile.consistency import RoutedGroup
+    from rbcompile.vote_sampling import RoutedGroup
     from rbcompile.prefix_cache import PrefixCache
 
     def routed(prompts):
