@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .drafters import NGramDrafter
+from .drafters import Drafter, NGramProposer, SelfDrafter
 from .errors import UserError
 from .kv_cache import CachePool, DecoderShape, StaticKVCache, padded_rows
 from .sampling import SamplingConfig, verify
@@ -108,80 +108,6 @@ class ModelRunner:
         if not light:
             self.stats.rows_per_step.append(rows)
         return logits[:rows]
-
-
-@dataclass
-class Drafts:
-    """The same number of draft tokens for every row, and the distributions they were drawn
-    from (None: each proposed with probability 1)."""
-    tokens: torch.Tensor                 # [B, k]
-    probs: torch.Tensor | None = None    # [B, k, vocab]
-
-
-class Drafter:
-    """Proposes up to `limit` tokens following each row's pending token, or None."""
-
-    def propose(self, pending: torch.Tensor, limit: int) -> Drafts | None:
-        raise NotImplementedError
-
-    def observe(self, emitted: list[list[int]]) -> None:
-        """The tokens each row emitted this step."""
-
-    def keep_rows(self, rows: list[int]) -> None:
-        """Only batch rows `rows` go on."""
-
-
-class NGramProposer(Drafter):
-    """Prompt lookup per row (`NGramDrafter`). A step verifies as many drafts as the longest
-    proposal has; shorter ones (or none) are filled with the row's pending token, drafts like
-    any other that the full path keeps only where it agrees (so filling is lossless)."""
-
-    def __init__(self, prompts: list[list[int]]):
-        self.drafters = [NGramDrafter(prompt) for prompt in prompts]
-
-    def propose(self, pending, limit):
-        proposals = [drafter.propose(limit) for drafter in self.drafters]
-        length = max(len(proposal) for proposal in proposals)
-        if not length:
-            return None
-        filled = [proposal + [token] * (length - len(proposal))
-                  for proposal, token in zip(proposals, pending.tolist())]
-        return Drafts(torch.tensor(filled, device=pending.device))
-
-    def observe(self, emitted):
-        for drafter, tokens in zip(self.drafters, emitted):
-            drafter.extend(tokens)
-
-    def keep_rows(self, rows):
-        self.drafters = [self.drafters[row] for row in rows]
-
-
-class SelfDrafter(Drafter):
-    """Self-speculation: the light path drafts one token at a time on the same cache (its
-    approximate K/V are overwritten by the verifying full step), and stops when any row's top
-    draft probability falls below `threshold` (adaptive draft length)."""
-
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator, threshold: float):
-        self.runner, self.sampling, self.generator, self.threshold = runner, sampling, generator, threshold
-
-    def propose(self, pending, limit):
-        tokens, probs = [], []
-        current = pending[:, None]
-        for offset in range(limit):
-            logits = self.runner.forward(current, offset, light=True)[:, -1]
-            distribution = self.sampling.probabilities(logits)
-            if distribution.max(-1).values.min() < self.threshold:
-                break
-            if self.sampling.do_sample:
-                draft = torch.multinomial(distribution, 1, generator=self.generator).squeeze(-1)
-            else:
-                draft = logits.argmax(-1)
-            tokens.append(draft)
-            probs.append(distribution)
-            current = draft[:, None]
-        if not tokens:
-            return None
-        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if self.sampling.do_sample else None)
 
 
 class FixedPolicy:
