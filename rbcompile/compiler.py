@@ -323,14 +323,7 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     with step(f"running {len(PIPELINE)} passes"):
         run_pipeline(gm, ctx)
     if calibration is not None:
-        from .calibrate import measure_width_importance
-
-        batches = calibration.batches
-        with step("measuring head and channel importance (gradients)"):
-            ctx.width_importance = measure_width_importance(
-                model, ctx.units, architecture.family, batches.calibration,
-                batches.calibration_labels, calibration.head)
-        run_pipeline(gm, ctx, CALIBRATED_PIPELINE)  # permutes the graph's weights
+        _order_by_importance(model, gm, ctx, calibration)
     run_pipeline(gm, ctx, LAYOUT_PIPELINE)
     ir = build_ir(gm, ctx.regions, traced.input_names, traced.output_names, ctx.concatenated,
                   ctx.unpadded)
@@ -349,8 +342,29 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     compiled = CompiledModel(manifest=manifest, **artifact)
     if calibration is None:
         return compiled
+    return _calibrated(compiled, artifact, calibration, ctx)
+
+
+def _order_by_importance(model, gm, ctx: PassContext, calibration) -> None:
+    """Measure head and channel importance on the calibration text, then permute the graph's
+    weights so that a narrower width is a prefix of them."""
+    from .calibrate import measure_width_importance
+
+    batches = calibration.batches
+    with step("measuring head and channel importance (gradients)"):
+        ctx.width_importance = measure_width_importance(
+            model, ctx.units, ctx.family, batches.calibration,
+            batches.calibration_labels, calibration.head)
+    run_pipeline(gm, ctx, CALIBRATED_PIPELINE)
+
+
+def _calibrated(compiled, artifact: dict, calibration, ctx: PassContext):
+    """`compiled` with its measured plans, its self-speculation draft plan (decoders) and its
+    early-exit off-ramps (with a task head)."""
+    from .compiled import CompiledModel
+
     importance, plans = choose_plans(compiled, calibration)
-    manifest = {**manifest, "plans": plans, "calibration": {
+    manifest = {**compiled.manifest, "plans": plans, "calibration": {
         "source": calibration.source, "samples": calibration.samples, "seq": calibration.seq,
         "loss": calibration.loss, **importance, "width": ctx.width_importance,
         "permutations": ctx.permutations}}

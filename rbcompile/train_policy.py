@@ -401,14 +401,19 @@ def format_results(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def train_policy(artifact, workload_path, output, *, classifier=None, slo_ms: float = 100.0,
-                 steps: int = 20000, max_batch: int = 16, seed: int = 0,
-                 new_tokens: int = 32, simulator: str = "auto") -> dict[str, dict]:
-    """Measure, train, compare and write the policy folder; returns the comparison."""
+def _check_options(steps: int, max_batch: int, new_tokens: int, slo_ms: float,
+                   simulator: str) -> None:
     if steps < 1 or max_batch < 1 or new_tokens < 1 or not slo_ms > 0:
         raise UserError("--steps, --max-batch and --new-tokens must be >= 1 and --slo-ms > 0")
     if simulator not in SIMULATORS:
         raise UserError(f"--simulator must be one of {', '.join(SIMULATORS)}, got {simulator!r}")
+
+
+def train_policy(artifact, workload_path, output, *, classifier=None, slo_ms: float = 100.0,
+                 steps: int = 20000, max_batch: int = 16, seed: int = 0,
+                 new_tokens: int = 32, simulator: str = "auto") -> dict[str, dict]:
+    """Measure, train, compare and write the policy folder; returns the comparison."""
+    _check_options(steps, max_batch, new_tokens, slo_ms, simulator)
     output = Path(output)
     check_replaceable(output, policy_files, POLICY_KIND)  # before minutes of work
     texts = read_workload(workload_path)
