@@ -185,7 +185,7 @@ def leader_probability(counts: list[int]) -> float:
 class VoteOptions:
     """How answers are extracted, merged and voted on.
 
-    `extract`: see `extractor`. `embed(texts) -> [n, dim]` tensor (e.g. `minilm_embed()`): with
+    `extract`: see `extractor`. `embed(texts) -> [n, dim]` tensor (e.g. `minilm_embed(encoder)`): with
     it, answers of cosine >= `threshold` are one cluster. `early_stop`: 'overtake' stops once
     the leader cannot be overtaken by the samples still to come (the vote is then the one all
     k samples would give); 'adaptive' also stops by Adaptive-Consistency's criterion (Aggarwal
@@ -341,14 +341,12 @@ def majority_vote(texts: list[str], options: VoteOptions = VoteOptions()) -> Vot
     return voter.vote()
 
 
-def minilm_embed(encoder=None) -> Callable[[list[str]], torch.Tensor]:
-    """`embed` for the semantic tie-break: the bundled minilm-l6 artifact (compiled here when
-    `encoder` is None), mean-pooled and L2-normalised as the server's /v1/embeddings does."""
+def minilm_embed(encoder) -> Callable[[list[str]], torch.Tensor]:
+    """`embed` for the semantic tie-break: an encoder artifact (the bundled one:
+    `rbcompile.compile("minilm-l6")`), mean-pooled and L2-normalised as the server's
+    /v1/embeddings does."""
     from .quality import mean_pool
 
-    if encoder is None:
-        from .compiler import compile_model
-        encoder = compile_model("minilm-l6")
     tokenizer = encoder.tokenizer
 
     def embed(texts: list[str]) -> torch.Tensor:

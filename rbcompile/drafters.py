@@ -12,14 +12,10 @@ cache). The batch engine asks `NGramDrafter` per row directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .sampling import SamplingConfig
-
-if TYPE_CHECKING:   # the runner imports the drafters' module to draft with them
-    from .generation import ModelRunner
 
 
 class NGramDrafter:
@@ -107,7 +103,8 @@ class SelfDrafter(Drafter):
     approximate K/V are overwritten by the verifying full step), and stops when any row's top
     draft probability falls below `threshold` (adaptive draft length)."""
 
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, generator, threshold: float):
+    def __init__(self, runner, sampling: SamplingConfig, generator, threshold: float):
+        """`runner`: generation.ModelRunner, whose `forward(..., light=True)` drafts."""
         self.runner, self.sampling, self.generator, self.threshold = runner, sampling, generator, threshold
 
     def propose(self, pending, limit):
