@@ -22,6 +22,7 @@ from .input_complexity import LengthRarityComplexity
 from .offramps import RAMP_FILE, OffRamps
 from .guard import DECODER, FORWARD, GuardedPlan, QualityGuard, guard_budget
 from .plans import check_budget, plan_for_budget, skipped_share, width_shares
+from .regions import Plan
 
 from . import manifest as manifests
 from .manifest import CONFIG, GRAPH, MANIFEST, SCHEMA_VERSION, SOURCE, WEIGHTS
@@ -344,7 +345,7 @@ class CompiledModel:
                                                      max_plans=max_plans)
         return self
 
-    def plan_for_budget(self, budget: float) -> tuple[list[bool], list[float] | None]:
+    def plan_for_budget(self, budget: float) -> Plan:
         return plan_for_budget(self.regions, budget, self.plans)
 
     def guarded(self, budget: float | None, path: str = FORWARD) -> GuardedPlan:

@@ -48,6 +48,7 @@ from typing import Callable
 import torch
 
 from .errors import first_line
+from .regions import Plan
 
 logger = logging.getLogger("rbcompile.cuda_graphs")
 _MAX_SEEN = 4096
@@ -123,8 +124,8 @@ def is_static_address(value) -> bool:
 
 
 def plan_key(gates, widths) -> tuple:
-    """The part of a graph's key that names its plan: the gates and the widths."""
-    return tuple(gates), None if widths is None else tuple(widths)
+    """The part of a graph's key that names its plan (`Plan.key`)."""
+    return Plan(gates, widths).key
 
 
 def _frozen(value):

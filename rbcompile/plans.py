@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from .regions import width_level
+from .regions import Plan, width_level
 
 CENTRE = 0.6  # relative depth from which layers are skipped outward
 
@@ -46,8 +46,8 @@ def check_budget(budget) -> float:
     return value
 
 
-def plan_for_budget(regions: list[dict], budget: float, plans: list[dict] | None = None):
-    """(gates, widths) for a budget: the calibrated plan with the largest budget <= `budget`
+def plan_for_budget(regions: list[dict], budget: float, plans: list[dict] | None = None) -> Plan:
+    """The `Plan` of a budget: the calibrated plan with the largest budget <= `budget`
     when plans exist (widths None when it narrows nothing), otherwise regions skipped in
     `skip_order` while skipped FLOPs stay <= budget."""
     budget = check_budget(budget)
@@ -61,11 +61,12 @@ def plan_for_budget(regions: list[dict], budget: float, plans: list[dict] | None
         if within_budget(skipped + region["prunable_share"], budget):
             gates[region["gate"]] = False
             skipped += region["prunable_share"]
-    return gates, None
+    return Plan(gates)
 
 
-def apply_plan(plan: dict, num_gates: int) -> tuple[list[bool], list[float] | None]:
-    """(gates, widths) of a stored plan: `skip_gates` off, `widths` {gate: ratio} narrowed."""
+def apply_plan(plan: dict, num_gates: int) -> Plan:
+    """The `Plan` of a stored plan (the manifest's dict): `skip_gates` off, `widths`
+    {gate: ratio} narrowed."""
     gates = [True] * num_gates
     for gate in plan["skip_gates"]:
         gates[gate] = False
@@ -74,7 +75,7 @@ def apply_plan(plan: dict, num_gates: int) -> tuple[list[bool], list[float] | No
         widths = [1.0] * num_gates
         for gate, ratio in plan["widths"].items():
             widths[int(gate)] = ratio
-    return gates, widths
+    return Plan(gates, widths)
 
 
 def width_shares(variants: list[dict]) -> dict[int, dict[float, float]]:

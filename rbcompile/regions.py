@@ -13,8 +13,23 @@ rbcompile/plan_graphs.py, which writes the same steps as Python.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+
+class Plan(NamedTuple):
+    """What one forward runs: `gates`, one per prunable region (False: skipped), and `widths`,
+    a width ratio per gate (None: every region at full width). Made from a budget by
+    plans.plan_for_budget; `key` names it in every plan cache (the steps here, compiled plan
+    graphs, CUDA graphs)."""
+    gates: list[bool]
+    widths: list[float] | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (tuple(bool(gate) for gate in self.gates),
+                None if self.widths is None else tuple(self.widths))
 
 
 @dataclass(frozen=True)
@@ -172,8 +187,7 @@ def _plan_steps(regions: tuple[Region, ...], gates: tuple[bool, ...], widths, se
 def plan_cache_key(module, gates, widths=None, unpadded: bool = False) -> tuple:
     """What makes `module`'s steps differ between calls: the gates, the widths, seams on, the
     masks a call without padding drops (see `Unpadded`)."""
-    return (tuple(bool(g) for g in gates), None if widths is None else tuple(widths),
-            bool(getattr(module, "fuse_seams", True)),
+    return (*Plan(gates, widths).key, bool(getattr(module, "fuse_seams", True)),
             module.UNPADDED.masks if unpadded else ())
 
 

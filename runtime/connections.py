@@ -99,6 +99,11 @@ class GuardedH11Protocol(H11Protocol):
         self.timed_cycle = self.cycle
         self.header_timer = self.loop.call_later(self.limits.header_timeout_s, self._headers_late)
 
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a bad Content-Length, say): the OpenAI error shape."""
+        self.transport.write(_raw_response(400, "Bad Request", msg))
+        self.transport.close()
+
     def _headers_late(self) -> None:
         self.header_timer = None
         if not self.transport.is_closing() and self.cycle is self.timed_cycle:
@@ -134,8 +139,7 @@ def _raw_response(status: int, reason: str, message: str, headers: dict | None =
     connection whose request is not (or not wholly) read."""
     import json
 
-    body = json.dumps(error_body(message, kind="server_error" if status >= 500 else
-                                 "invalid_request_error")).encode()
+    body = json.dumps(error_body(message), separators=(",", ":")).encode()   # as the app's
     lines = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json",
              f"Content-Length: {len(body)}", "Connection: close",
              *(f"{name}: {value}" for name, value in (headers or {}).items())]

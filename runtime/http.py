@@ -15,6 +15,7 @@ line (runtime/openai_api.py).
 """
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from typing import Callable
 
@@ -40,6 +41,8 @@ from rbcompile.runtime.quality_metrics import QualityCollector
 from rbcompile.runtime.result_cache import ResultCache
 from rbcompile.runtime.serve_metrics import Metrics
 
+
+SHUTDOWN_JOIN_S = 30   # how long shutdown waits for the model thread's last step
 
 # ---- the app -----------------------------------------------------------------------------------
 
@@ -76,11 +79,13 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
     @asynccontextmanager
     async def lifespan(app):
         yield
-        worker.close()  # uvicorn has waited for the open requests: nothing is left running
+        worker.close()  # uvicorn has drained (or cut) the open requests
+        # the model thread ends its step first: a process that exits mid-forward aborts
+        await asyncio.to_thread(worker.thread.join, SHUTDOWN_JOIN_S)
         service.pool.shutdown(wait=False)
 
     app = FastAPI(title="rbcompile", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.engine, app.state.results = worker.engine, results
+    app.state.engine, app.state.results, app.state.worker = worker.engine, results, worker
     if memory is None:
         from rbcompile.runtime.monitors import ResourceMonitor
         memory = ResourceMonitor().memory_fraction

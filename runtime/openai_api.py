@@ -36,7 +36,7 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 # ---- request bodies ----------------------------------------------------------------------------
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @field_validator("*")
     @classmethod

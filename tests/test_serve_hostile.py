@@ -2,6 +2,7 @@
 server (uvicorn on a socket, in a thread or a process) on the tiny llama: /health answers within
 1 s during it, and no request can queue unbounded work, hold rows after its client left, stall
 the other streams, or keep the server from exiting."""
+import asyncio
 import json
 import logging
 import os
@@ -259,6 +260,23 @@ def test_a_stream_left_at_once_gives_back_its_rows_and_its_client_share(llama):
     assert again.status_code == 200, again.text
 
 
+def test_shutdown_returns_once_the_model_thread_has_left_its_step(llama):
+    """The drain ends with the app's shutdown, and the process exits right after it: a model
+    thread still inside a forward then aborts the process (exit 134, "terminate called")."""
+    app = slowed(create_app(llama), 0.2)
+    engine, worker = app.state.engine, app.state.worker
+    engine.submit(EngineRequest(llama.tokenizer(PROMPT)["input_ids"], 50))
+    while not engine.running:
+        time.sleep(0.01)
+
+    async def start_and_stop():
+        async with app.router.lifespan_context(app):
+            pass
+
+    asyncio.run(start_and_stop())
+    assert not worker.thread.is_alive()
+
+
 # ---- 4. a vote ------------------------------------------------------------------------------
 
 def test_a_vote_runs_in_the_shared_batch_while_other_streams_keep_their_pace(llama):
@@ -303,6 +321,23 @@ def test_megabyte_prompts_are_tokenised_off_the_event_loop(llama):
     with live(app) as base:
         latencies = during(attack, lambda: health_latencies(base, 1.5))
     assert max(latencies) < 1.0
+
+
+def test_a_request_http_cannot_parse_gets_the_openai_error_shape(llama):
+    with live(create_app(llama)) as base:
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+            reply = b""
+            while chunk := client.recv(4096):
+                reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"Content-Type: application/json" in head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    nan = TestClient(create_app(llama)).post(
+        "/v1/completions", content='{"prompt": "a", "temperature": NaN}',
+        headers={"content-type": "application/json"})
+    assert nan.status_code == 400 and "finite number" in nan.json()["error"]["message"]
 
 
 # ---- the event loop's errors ----------------------------------------------------------------
