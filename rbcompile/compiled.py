@@ -1,10 +1,11 @@
 """`CompiledModel`: the generated module plus what it needs at run time; save and load."""
 from __future__ import annotations
 
+
 import datetime
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -371,10 +372,11 @@ class CompiledModel:
 
     def batch_engine(self, max_batch: int = 16, **options):
         """A continuous-batching engine on the decoder (rbcompile/engine.py), for serving;
-        `options` are BatchEngine's (`batch_buckets` defaults to whether the decoder runs
-        CUDA graphs, `unpadded_prefill` to whether the decoder takes prefills without a
-        mask)."""
+        `options` are `EngineConfig`'s fields (`batch_buckets` defaults to whether the decoder
+        runs CUDA graphs, `unpadded_prefill` to whether the decoder takes prefills without a
+        mask) and BatchEngine's `wake` and `prefix_cache`."""
         from .engine import BatchEngine
+        from .requests import EngineConfig
 
         if self.decoder is None:
             raise UserError("continuous batching needs a decoder artifact with a KV-cached decoder")
@@ -382,11 +384,13 @@ class CompiledModel:
         decode = self.tokenizer.decode if self.tokenizer_dir is not None else None
         options.setdefault("batch_buckets", self.decoder.graphs is not None)
         options.setdefault("unpadded_prefill", self.decoder.unpadded_prefill)
-        return BatchEngine(self.decoder, self.decoder.shape,
+        names = {field.name for field in fields(EngineConfig)}
+        config = EngineConfig(max_batch, **{k: v for k, v in options.items() if k in names})
+        return BatchEngine(self.decoder, self.decoder.shape, config,
                            gates_for_budget=self.guarded_decoder_gates,
                            eos_token_ids=() if eos is None else eos, decode=decode,
-                           max_batch=max_batch, release_cache=self.decoder.forget_cache,
-                           **options)
+                           release_cache=self.decoder.forget_cache,
+                           **{k: v for k, v in options.items() if k not in names})
 
     def skipped_share(self, gates, widths=None) -> float:
         """Fraction of prunable FLOPs not computed under these gates and widths."""

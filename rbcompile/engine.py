@@ -3,8 +3,9 @@ every decode step (as vLLM and TGI do), each with its own sampling, stop conditi
 
 Calls go one way. `BatchEngine.step()` admits waiting requests, highest priority (QoS class)
 first, then the client holding the fewest rows, then by arrival (waiting.py; a client under
-its fair share of rows may send others' rows back to the queue, preempted), and prefills the newcomers together: one forward over their prompts,
-left-padded to the longest part not in the `PrefixCache` (at most `prefill_tokens` padded
+its fair share of rows may send others' rows back to the queue, preempted), and prefills the
+newcomers together: one forward over their prompts, left-padded to the longest part not in
+the `PrefixCache` (at most `prefill_tokens` padded
 tokens, unless one prompt alone is longer), written straight into the `BatchKVCache` rows the
 requests will decode in, after the cached blocks of each prompt are copied there; each
 request's first token comes from that prefill. A prompt longer than `prefill_chunk` tokens is
@@ -50,44 +51,28 @@ from .generation import StopCriteria, check_lengths, check_stop
 from .kv_cache import (BatchKVCache, DecoderShape, copy_blocks, power_of_two_at_least,
                        release_freed_memory, zeros)
 from .prefix_cache import PrefixCache
-from .requests import ChunkedPrefill, EngineRequest, EngineStats, check_engine_options
+from .requests import ChunkedPrefill, EngineConfig, EngineRequest, EngineStats
 from .sampling import verify_rows
 from .waiting import WaitingQueue, fair_victims
-
-IDLE_CACHE_BYTES = 64 << 20
 
 
 class BatchEngine:
     """`step(input_ids, attention_mask, position_ids, cache_position, logit_positions, cache,
     gates=None)` is the artifact's decoder (see decoder.Decoder); `gates_for_budget(budget)`
-    its gates for a budget (None: the full path). `prefill_chunk`: prompts longer than this
-    are prefilled in chunks of it (None: never). `draft_tokens`: most drafts per speculating
-    row and step; `verify_tokens`: most tokens (rows x (1 + drafts)) a speculative step runs.
-    `batch_buckets`: a decode step runs the next power of two of rows (at most `max_batch`),
-    the rows past the running ones idle, and the cache grows to powers of two of blocks, so
-    that CUDA graphs of the step are one per bucket and doubling rather than one per count of
-    running rows and block. `release_cache(tensors)` hears of K/V tensors the engine no longer
-    uses (the cache grew, or started over): the decoder's `forget_cache`. `unpadded_prefill`:
-    `step` takes the mask as None for a prefill from the first slot without padding (a prompt
-    alone on an idle engine, prompts of one length, a long prompt's first chunk), attending
-    causally without it (`Decoder.unpadded_prefill`)."""
+    its gates for a budget (None: the full path); `config` how it batches (`EngineConfig`).
+    `release_cache(tensors)` hears of K/V tensors the engine no longer uses (the cache grew, or
+    started over): the decoder's `forget_cache`."""
 
-    def __init__(self, step: Callable, shape: DecoderShape, *, gates_for_budget: Callable,
-                 eos_token_ids=(), decode: Callable | None = None, max_batch: int = 16,
-                 block: int = 64, wake: threading.Condition | None = None,
-                 prefix_cache: PrefixCache | None = None, prefill_tokens: int = 2048,
-                 prefill_chunk: int | None = 512, draft_tokens: int = 4, verify_tokens: int = 64,
-                 batch_buckets: bool = False, release_cache: Callable | None = None,
-                 unpadded_prefill: bool = False):
-        check_engine_options(max_batch, prefill_tokens, prefill_chunk, draft_tokens, verify_tokens)
-        self.prefill_tokens, self.prefill_chunk = prefill_tokens, prefill_chunk
-        self.draft_tokens, self.verify_tokens = draft_tokens, verify_tokens
-        self.batch_buckets, self.unpadded_prefill = batch_buckets, unpadded_prefill
+    def __init__(self, step: Callable, shape: DecoderShape, config: EngineConfig = EngineConfig(),
+                 *, gates_for_budget: Callable, eos_token_ids=(), decode: Callable | None = None,
+                 wake: threading.Condition | None = None, prefix_cache: PrefixCache | None = None,
+                 release_cache: Callable | None = None):
+        self.config, self.max_batch = config, config.max_batch
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
-        self.decode, self.max_batch, self.prefix_cache = decode, max_batch, prefix_cache
-        self.cache = BatchKVCache(shape, max_batch, block, power_of_two=batch_buckets,
-                                  on_drop=release_cache)
+        self.decode, self.prefix_cache = decode, prefix_cache
+        self.cache = BatchKVCache(shape, config.max_batch, config.block,
+                                  power_of_two=config.batch_buckets, on_drop=release_cache)
         self.waiting = WaitingQueue()
         self.running: list[EngineRequest] = []        # running[i] decodes in cache row i
         self.chunked: ChunkedPrefill | None = None    # a long prompt being prefilled
@@ -97,7 +82,6 @@ class BatchEngine:
         self.stats = EngineStats()
         self.budget: float | None = None   # for requests without their own (a controller's)
         self.controller = None             # runtime.decode_control.DecodeController, if any
-        self.idle_cache_bytes = IDLE_CACHE_BYTES   # K/V an idle engine keeps (more goes back)
         self._check_s = 0.0                # this step's seconds in a quality check's full path
         self.wake = wake or threading.Condition()   # notified on submit and cancel
 
@@ -171,7 +155,8 @@ class BatchEngine:
             chunked, decoding = self._admit(), bool(self.running)
             if decoding:
                 self._decode()
-            if not (self.running or self.chunked) and self.cache.nbytes > self.idle_cache_bytes:
+            idle = not (self.running or self.chunked)
+            if idle and self.cache.nbytes > self.config.idle_cache_bytes:
                 self.cache = self.cache.emptied()   # idle: a long request's K/V go back
                 release_freed_memory()
             return chunked or decoding
@@ -195,10 +180,11 @@ class BatchEngine:
                 if waiting is None or rows + len(waiting.requests) > self.max_batch:
                     break
                 group = waiting.requests
-                long = self.prefill_chunk is not None and len(group[0].context) > self.prefill_chunk
+                chunk = self.config.prefill_chunk
+                long = chunk is not None and len(group[0].context) > chunk
                 width = max(longest, len(group[0].context))
                 if long and self.chunked is not None or \
-                        not long and groups and (len(groups) + 1) * width > self.prefill_tokens:
+                        not long and groups and (len(groups) + 1) * width > self.config.prefill_tokens:
                     break
                 self.waiting.remove(waiting)
             joining = self._live(group)
@@ -261,9 +247,9 @@ class BatchEngine:
         """The next chunk of the long prompt; after the last one, its group joins the batch."""
         job, device = self.chunked, self.shape.device
         start = job.done
-        end = min(len(job.prompt), start + self.prefill_chunk)
+        end = min(len(job.prompt), start + self.config.prefill_chunk)
         slots = torch.arange(start, end, device=device)
-        mask = None if self.unpadded_prefill and start == 0 else \
+        mask = None if self.config.unpadded_prefill and start == 0 else \
             torch.ones(1, end, dtype=torch.long, device=device)
         logits = self.step_fn(torch.tensor([job.prompt[start:end]], device=device), mask,
                               slots[None], slots, torch.tensor([end - start - 1], device=device),
@@ -311,7 +297,8 @@ class BatchEngine:
         ids = [[0] * (width - len(prompt)) + prompt[-width:] for prompt in prompts]
         rows = slice(first, first + len(prompts))
         slots = torch.arange(end - width, end, device=device)
-        unpadded = self.unpadded_prefill and width == end and all(len(p) == end for p in prompts)
+        unpadded = self.config.unpadded_prefill and width == end and \
+            all(len(p) == end for p in prompts)
         logits = self.step_fn(torch.tensor(ids, device=device),
                               None if unpadded else cache.attention_mask(rows),
                               (slots[None] - cache.pads[rows, None]).clamp_min(0), slots,
@@ -376,7 +363,7 @@ class BatchEngine:
 
     def _step_rows(self, active: int) -> int:
         """Rows a decode step runs: the running ones, or their batch bucket."""
-        if not self.batch_buckets:
+        if not self.config.batch_buckets:
             return active
         return min(power_of_two_at_least(active), self.cache.rows)
 
@@ -384,7 +371,8 @@ class BatchEngine:
         """Each running row's drafts this step ([] without `speculate` or a match): at most
         `draft_tokens`, one less than the tokens it has left, and as many as keep the step
         within `verify_tokens` tokens."""
-        limit = min(self.draft_tokens, self.verify_tokens // self._step_rows(len(self.running)) - 1)
+        config = self.config
+        limit = min(config.draft_tokens, config.verify_tokens // self._step_rows(len(self.running)) - 1)
         if limit < 1 or not self.drafters:
             return [[] for _ in self.running]
         return [self.drafters[request].propose(min(limit, request.max_new_tokens - len(request.tokens) - 1))

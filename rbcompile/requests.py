@@ -1,5 +1,5 @@
 """What the batch engine (engine.py) is asked and what it counts: a request, the engine's
-counters, a long prompt being prefilled in chunks, and the engine's options checked."""
+counters, a long prompt being prefilled in chunks, and how it batches (`EngineConfig`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -82,15 +82,36 @@ class ChunkedPrefill:
         return self.group[0].context
 
 
-def check_engine_options(max_batch: int, prefill_tokens: int, prefill_chunk: int | None,
-                         draft_tokens: int, verify_tokens: int) -> None:
-    """A one-line UserError for a BatchEngine option out of range."""
-    if max_batch < 1:
-        raise UserError(f"max_batch must be >= 1, got {max_batch}")
-    if prefill_tokens < 1:
-        raise UserError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise UserError(f"prefill_chunk must be >= 1 (None: never chunk), got {prefill_chunk}")
-    if draft_tokens < 1 or verify_tokens < 1:
-        raise UserError(f"draft_tokens and verify_tokens must be >= 1, got {draft_tokens} "
-                        f"and {verify_tokens}")
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the batch engine batches. `max_batch`: rows decoded together; `block`: the K/V
+    cache grows by this many slots; `prefill_tokens`: most padded tokens newcomers prefill in
+    one forward (unless one prompt alone is longer); `prefill_chunk`: prompts longer than this
+    are prefilled in chunks of it (None: never); `draft_tokens`: most drafts per speculating
+    row and step; `verify_tokens`: most tokens (rows x (1 + drafts)) a speculative step runs;
+    `batch_buckets`: a decode step runs the next power of two of rows (at most `max_batch`)
+    and the cache grows to powers of two of blocks, so that CUDA graphs of the step are one per
+    bucket and doubling; `unpadded_prefill`: the step takes the mask as None for a prefill
+    from the first slot without padding (`Decoder.unpadded_prefill`); `idle_cache_bytes`: an
+    idle engine gives back a cache larger than this."""
+    max_batch: int = 16
+    block: int = 64
+    prefill_tokens: int = 2048
+    prefill_chunk: int | None = 512
+    draft_tokens: int = 4
+    verify_tokens: int = 64
+    batch_buckets: bool = False
+    unpadded_prefill: bool = False
+    idle_cache_bytes: int = 64 << 20
+
+    def __post_init__(self):
+        if self.max_batch < 1:
+            raise UserError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.prefill_tokens < 1:
+            raise UserError(f"prefill_tokens must be >= 1, got {self.prefill_tokens}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise UserError(f"prefill_chunk must be >= 1 (None: never chunk), got "
+                            f"{self.prefill_chunk}")
+        if self.draft_tokens < 1 or self.verify_tokens < 1:
+            raise UserError(f"draft_tokens and verify_tokens must be >= 1, got "
+                            f"{self.draft_tokens} and {self.verify_tokens}")

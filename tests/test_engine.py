@@ -186,7 +186,7 @@ def test_speculating_rows_verify_ngram_drafts_in_the_batch_step(compiled_tiny, a
                                    temperature=0.8, seed=4)
     assert later.tokens == alone(compiled, later.prompt, 10, speculate="ngram")
     stats = engine.stats
-    assert stats.speculative_steps > 0 and 1 + engine.draft_tokens in widths   # 4 drafts a row
+    assert stats.speculative_steps > 0 and 1 + engine.config.draft_tokens in widths   # 4 drafts a row
     assert stats.drafted == sum(r.drafted for r in (greedy, sampled, later)) > 0
     assert stats.accepted == sum(r.accepted for r in (greedy, sampled, later))
     assert plain.drafted == 0
@@ -343,7 +343,7 @@ def test_decode_steps_run_batch_buckets_under_cuda_graphs(compiled_tiny):
     compiled.use_cuda_graphs(capture=FakeCapture())
     try:
         engine = compiled.batch_engine(max_batch=4, verify_tokens=9)
-        assert engine.batch_buckets
+        assert engine.config.batch_buckets
         graphs, steps = compiled.decoder.graphs, []
         run = graphs.run
 

@@ -441,7 +441,7 @@ def test_cli_serves_with_a_key(tmp_path, llama, monkeypatch):
     assert main(["serve", str(artifact), "--host", "0.0.0.0", "--port", "0",
                  "--api-key-env", "RBC_TEST_KEY"]) == 0
     assert served["address"][0] == "0.0.0.0" and served["address"][1] > 0
-    assert served["app"].state.engine.prefill_chunk == 512          # the default
+    assert served["app"].state.engine.config.prefill_chunk == 512          # the default
     client = TestClient(served["app"])
     assert client.get("/v1/models").status_code == 401
     assert client.get("/v1/models", headers={"Authorization": "Bearer k3y"}).status_code == 200

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -487,7 +488,7 @@ def test_a_soak_of_mixed_requests_loses_none_and_keeps_its_memory(llama):
     before the answer, bad inputs) and one request of 64 choices: no 5xx, every request answered
     but those whose client left, the engine idle after, and RSS within 10% of warm-up's."""
     app = create_app(llama)
-    app.state.engine.idle_cache_bytes = 0
+    app.state.engine.config = replace(app.state.engine.config, idle_cache_bytes=0)
     statuses, lock = [], threading.Lock()
 
     def client_thread(seed: int, count: int):
