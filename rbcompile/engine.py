@@ -213,6 +213,8 @@ class BatchEngine:
         """Send rows of clients over their fair share back to the queue so `waiting` fits
         (waiting.py); they rejoin by prefilling their prompt and tokens (recompute, as vLLM
         preempts). The rows freed."""
+        if all(request.client == waiting.client for request in self.running):
+            return 0   # one client (the usual case): nothing to share, nor to count per step
         victims = fair_victims(self.running, waiting, held, self.max_batch, free,
                                self.waiting.clients(self.running))
         for index in sorted(victims, reverse=True):

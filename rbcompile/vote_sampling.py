@@ -276,6 +276,11 @@ class RoutedGroup:
         return self.group.result(stats)
 
 
+def vote_rows(consistency) -> int:
+    """Batch rows a vote may hold at once: its samples ('auto': the largest tier)."""
+    return max(CONSISTENCY_SAMPLES) if consistency == "auto" else max(consistency, 1)
+
+
 def check_vote(consistency, *, speculate: str, stream: bool, sampling: SamplingConfig) -> None:
     """A one-line UserError for options a vote does not take."""
     if consistency != "auto" and (type(consistency) is not int
@@ -318,7 +323,7 @@ def generate_voted(compiled, input_ids, attention_mask, consistency, *, vote: Vo
         raise UserError(f"consistency votes over the samples of one prompt; got a batch of "
                         f"{prompt_ids.shape[0]}")
     started = perf_counter()
-    engine = _engine(compiled, 7 if consistency == "auto" else max(consistency, 1), prefix_cache)
+    engine = _engine(compiled, vote_rows(consistency), prefix_cache)
     prompt = [int(token) for token in prompt_ids[0, int(pads[0]):]]
     group = start_vote(compiled, engine, prompt, consistency, options=vote or VoteOptions(),
                        **options)

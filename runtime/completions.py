@@ -17,7 +17,7 @@ from fastapi import Request
 from jinja2 import TemplateError
 
 from rbcompile.consistency import VoteOptions
-from rbcompile.vote_sampling import check_vote, start_vote, vote_result
+from rbcompile.vote_sampling import check_vote, start_vote, vote_result, vote_rows
 from rbcompile.errors import first_line
 from rbcompile.guard import DECODER, GuardedPlan, guard_budget
 from rbcompile.requests import EngineRequest
@@ -55,9 +55,9 @@ class CompletionEndpoints(Service):
     async def complete(self, body: CompletionRequest, request: Request):
         self._check_model(body.model, "decoder", "/v1/completions", "/v1/embeddings")
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        self._check_work(body, len(prompts), "prompt")
+        stop = self._check_work(body, len(prompts), "prompt")
         batch = await self._off_loop(self._encode, prompts, "prompt")
-        return await self._respond(body, batch, COMPLETION, request)
+        return await self._respond(body, batch, stop, COMPLETION, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model, "decoder", "/v1/chat/completions", "/v1/embeddings")
@@ -65,9 +65,9 @@ class CompletionEndpoints(Service):
             raise ApiError(400, f"model '{self.name}' has no chat template: use /v1/completions")
         if not body.messages:
             raise ApiError(400, "'messages' is an empty list", "messages")
-        self._check_work(body, 1, "messages")
+        stop = self._check_work(body, 1, "messages")
         return await self._respond(body, await self._off_loop(self._chat_batch, body.messages),
-                                   CHAT, request)
+                                   stop, CHAT, request)
 
     def _chat_batch(self, messages: list) -> dict:
         try:
@@ -80,8 +80,9 @@ class CompletionEndpoints(Service):
         return self._encode([text], "messages", add_special_tokens=False)
 
     def _check_work(self, body: CompletionRequest | ChatCompletionRequest, prompts: int,
-                    param: str) -> None:
-        """The request's work within `ServeLimits`, before anything is tokenised or queued."""
+                    param: str) -> list[str]:
+        """The request's work within `ServeLimits`, before anything is tokenised or queued;
+        its stop strings."""
         limits = self.limits
         if body.n > limits.max_n:
             raise ApiError(400, f"n={body.n} is over this server's limit of {limits.max_n}", "n")
@@ -91,7 +92,7 @@ class CompletionEndpoints(Service):
                            param)
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options goes with stream: true", "stream_options")
-        self._stops(body.stop)
+        return self._stops(body.stop)
 
     def _stops(self, stop: str | list[str] | None) -> list[str]:
         stop, limits = [stop] if isinstance(stop, str) else stop or [], self.limits
@@ -104,10 +105,9 @@ class CompletionEndpoints(Service):
         return stop
 
     async def _respond(self, body: CompletionRequest | ChatCompletionRequest, batch,
-                       fmt: ChoiceFormat, request: Request):
-        """Generate `body.n` choices per row of `batch` (choice `row * n + k`): the response, or
-        with `stream` its server-sent events."""
-        stop = self._stops(body.stop)
+                       stop: list[str], fmt: ChoiceFormat, request: Request):
+        """Generate `body.n` choices per row of `batch` (choice `row * n + k`), cut at `stop`:
+        the response, or with `stream` its server-sent events."""
         max_tokens = self._max_new_tokens(*body.asked_tokens(), batch["input_ids"].shape[1])
         prompt_tokens = int(batch["attention_mask"].sum())
         choices = len(batch["input_ids"]) * body.n
@@ -229,7 +229,7 @@ class CompletionEndpoints(Service):
         vote, sampling = VoteOptions(extract=body.rbcompile.extract), _sampling(body, 0)
         check_vote(body.rbcompile.consistency, speculate=body.rbcompile.speculate, stream=False,
                    sampling=sampling)
-        job.choices = 7 if body.rbcompile.consistency == "auto" else body.rbcompile.consistency
+        job.choices = vote_rows(body.rbcompile.consistency)
         if job.choices > engine.max_batch:
             raise ApiError(400, f"a vote of {job.choices} samples needs as many batch rows; this "
                            f"server has {engine.max_batch} (--max-batch)", "rbcompile.consistency")

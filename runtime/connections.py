@@ -8,6 +8,7 @@ The body's deadline is the Gatekeeper's (gatekeeper.py, `ServeLimits.body_timeou
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import time
@@ -137,8 +138,6 @@ class GuardedH11Protocol(H11Protocol):
 def _raw_response(status: int, reason: str, message: str, headers: dict | None = None) -> bytes:
     """A whole HTTP/1.1 response with an OpenAI error body, closing the connection: for a
     connection whose request is not (or not wholly) read."""
-    import json
-
     body = json.dumps(error_body(message), separators=(",", ":")).encode()   # as the app's
     lines = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json",
              f"Content-Length: {len(body)}", "Connection: close",
