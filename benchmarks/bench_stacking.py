@@ -25,18 +25,18 @@ from common import interleaved_medians, pin_threads, print_table, text_windows, 
 
 def prefilled(compiled, input_ids: torch.Tensor):
     """A decode step's arguments after prefilling `input_ids` into a fresh cache."""
-    from rbcompile.kv_cache import StaticKVCache
+    from rbcompile.kv_cache import step_inputs, zeros
 
     decoder, shape = compiled.decoder, compiled.decoder.shape
     batch, tokens = input_ids.shape
-    cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, tokens + 64,
-                          torch.zeros(batch, dtype=torch.long), shape.dtype, shape.device)
+    slots, pads = tokens + 64, torch.zeros(batch, dtype=torch.long, device=shape.device)
+    cache = zeros(2 * shape.layers, (batch, shape.kv_heads, slots, shape.head_dim), shape.dtype,
+                  shape.device)
     last = torch.tensor([tokens - 1], device=shape.device)
-    logits = decoder(input_ids, *cache.inputs(tokens), last, cache.tensors)
-    cache.commit(tokens)
+    logits = decoder(input_ids, *step_inputs(pads, 0, tokens, slots), last, cache)
     next_ids = logits[:, -1].argmax(-1, keepdim=True)
-    return (next_ids, *cache.inputs(1), torch.zeros(1, dtype=torch.long, device=shape.device),
-            cache.tensors)
+    return (next_ids, *step_inputs(pads, tokens, 1, slots),
+            torch.zeros(1, dtype=torch.long, device=shape.device), cache)
 
 
 def main(argv=None):

@@ -31,7 +31,7 @@ def decode_step_ops(layers: int, kernels: bool, stack: bool) -> collections.Coun
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import rbcompile
-    from rbcompile.kv_cache import StaticKVCache
+    from rbcompile.kv_cache import step_inputs, zeros
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -40,13 +40,13 @@ def decode_step_ops(layers: int, kernels: bool, stack: bool) -> collections.Coun
     compiled = rbcompile.compile(AutoModelForCausalLM.from_config(config).eval(), kernels=kernels,
                                  stack_projections=stack)
     decoder, shape = compiled.decoder, compiled.decoder.shape
-    cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, 64,
-                          torch.zeros(1, dtype=torch.long), shape.dtype, shape.device)
+    cache = zeros(2 * shape.layers, (1, shape.kv_heads, 64, shape.head_dim), shape.dtype,
+                  shape.device)
+    pads = torch.zeros(1, dtype=torch.long)
     prompt = torch.randint(0, config.vocab_size, (1, 8))
-    decoder(prompt, *cache.inputs(8, 0), torch.arange(7, 8), cache.tensors)
-    cache.commit(8)
+    decoder(prompt, *step_inputs(pads, 0, 8, 64), torch.arange(7, 8), cache)
     with OpCounter() as counter:
-        decoder(prompt[:, -1:], *cache.inputs(1, 0), torch.arange(0, 1), cache.tensors)
+        decoder(prompt[:, -1:], *step_inputs(pads, 8, 1, 64), torch.arange(0, 1), cache)
     return counter.ops
 
 

@@ -311,25 +311,35 @@ class CompiledModel:
                                   max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                   budget=budget)
         gates = self.guarded_decoder_gates(budget)
-        draft = None
-        if draft_budget is None and self.decoder.draft is not None:
-            draft_budget = self.decoder.draft["budget"]
-            if draft_budget is None and speculate == "auto":
-                speculate = "ngram"  # calibration measured that no light plan pays
-        draft_cost = 1.0
-        if speculate in ("self", "auto"):
-            measured = draft_budget is not None and draft_budget == (self.decoder.draft or {}).get("budget")
-            draft_gates = self.decoder_gates(SELF_DRAFT_BUDGET if draft_budget is None else draft_budget)
-            draft = partial(self.decoder, gates=draft_gates)
-            draft_cost = 0.0 if measured or draft_gates is None else self.decoder.cost(draft_gates)
+        light = self.light_drafter(draft_budget) if speculate in ("self", "auto") else None
+        if speculate == "auto" and not light.in_auto:
+            speculate = "ngram"
         eos = self.hf_config.get("eos_token_id")
         run = stream_tokens if stream else generate
         return run(partial(self.decoder, gates=gates), torch.as_tensor(input_ids),
                    attention_mask, shape=self.decoder.shape, max_new_tokens=max_new_tokens,
                    sampling=sampling, eos_token_ids=() if eos is None else eos, stop=stop,
                    decode=self.tokenizer.decode if stop else None, speculate=speculate,
-                   draft_step=draft, draft_cost=draft_cost, cache_pool=self.decoder.cache_pool,
+                   draft_step=light and light.step, draft_cost=light.cost if light else 1.0,
+                   cache_pool=self.decoder.cache_pool,
                    unpadded_prefill=self.decoder.unpadded_prefill)
+
+    def light_drafter(self, draft_budget: float | None = None) -> "LightDrafter":
+        """The light path that `speculate="self"` drafts with: the plan of `draft_budget`, by
+        default the one calibration chose (`decoder.draft`), else SELF_DRAFT_BUDGET's. "auto"
+        leaves it out where calibration found that no light plan pays."""
+        from functools import partial
+
+        from .drafters import LightDrafter
+
+        chosen, in_auto = self.decoder.draft, True
+        if draft_budget is None and chosen is not None:
+            draft_budget = chosen["budget"]
+            in_auto = draft_budget is not None
+        measured = draft_budget is not None and draft_budget == (chosen or {}).get("budget")
+        gates = self.decoder_gates(SELF_DRAFT_BUDGET if draft_budget is None else draft_budget)
+        cost = 0.0 if measured or gates is None else self.decoder.cost(gates)
+        return LightDrafter(partial(self.decoder, gates=gates), cost=cost, in_auto=in_auto)
 
     def compile_regions(self) -> "CompiledModel":
         """Compile the generated regions with inductor (first calls per shape are slow)."""
@@ -389,7 +399,7 @@ class CompiledModel:
         return BatchEngine(self.decoder, self.decoder.shape, config,
                            gates_for_budget=self.guarded_decoder_gates,
                            eos_token_ids=() if eos is None else eos, decode=decode,
-                           release_cache=self.decoder.forget_cache,
+                           release_cache=self.decoder.forget_cache, light=self.light_drafter(),
                            **{k: v for k, v in options.items() if k not in names})
 
     def skipped_share(self, gates, widths=None) -> float:

@@ -5,13 +5,16 @@
 occurrence. It costs a dict lookup per step and pays on input-grounded text (summaries,
 quotes, code edits, extraction), where the output repeats spans of the prompt.
 
-`generate`'s proposers (generation.py asks one per step for every row of its batch):
-`NGramProposer` (an `NGramDrafter` per row) and `SelfDrafter` (the light path on the same
-cache). The batch engine asks `NGramDrafter` per row directly.
+`LightDrafter` (self-speculation): the light path (a cheaper plan of the same artifact) drafts
+one token at a time on the batch's own cache; its approximate K/V are overwritten by the
+verifying full step.
+
+The engine's speculation (speculation.py) asks them per row and step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -53,75 +56,49 @@ class NGramDrafter:
 
 
 @dataclass
-class Drafts:
-    """The same number of draft tokens for every row, and the distributions they were drawn
-    from (None: each proposed with probability 1)."""
-    tokens: torch.Tensor                 # [B, k]
-    probs: torch.Tensor | None = None    # [B, k, vocab]
+class Proposal:
+    """One row's drafts, and for sampled light-path drafts the distributions they were drawn
+    from (none: each proposed with probability 1)."""
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
 
+@dataclass(frozen=True)
+class LightDrafter:
+    """The light path as a drafter. `step`: the decoder step under the light plan's gates (the
+    full step's interface); a row stops drafting when its top draft probability falls below
+    `threshold` (adaptive draft length); `cost`: a light forward's cost next to a full one,
+    which `auto` may lose before its first measurement (0 for a plan calibration measured to
+    pay); `in_auto`: whether `auto` tries it (not when calibration found that no plan pays)."""
+    step: Callable
+    threshold: float = 0.5
+    cost: float = 1.0
+    in_auto: bool = True
 
-class Drafter:
-    """Proposes up to `limit` tokens following each row's pending token, or None."""
+    def propose(self, forward: Callable, pending: list[int], limits: dict[int, int],
+                samplings: list[SamplingConfig], generators: list) -> dict[int, Proposal]:
+        """Drafts for the batch rows in `limits` (row -> most drafts), each following its
+        `pending` token. `forward(tokens, offset)` runs the light step on one token per batch
+        row, written `offset` slots past the cache's length: logits [rows, vocab]."""
+        proposals = {row: Proposal() for row in limits}
+        going = [row for row, limit in limits.items() if limit > 0]
+        current, offset = list(pending), 0
+        while going:
+            logits = forward(current, offset)
+            for row in list(going):
+                sampling, proposal = samplings[row], proposals[row]
+                distribution = sampling.probabilities(logits[row])
+                if distribution.max() < self.threshold:
+                    going.remove(row)
+                    continue
+                if sampling.do_sample:
+                    token = int(torch.multinomial(distribution, 1, generator=generators[row]))
+                    proposal.probs.append(distribution)
+                else:
+                    token = int(logits[row].argmax())
+                proposal.tokens.append(token)
+                current[row] = token
+                if len(proposal.tokens) == limits[row]:
+                    going.remove(row)
+            offset += 1
+        return proposals
 
-    def propose(self, pending: torch.Tensor, limit: int) -> Drafts | None:
-        raise NotImplementedError
-
-    def observe(self, emitted: list[list[int]]) -> None:
-        """The tokens each row emitted this step."""
-
-    def keep_rows(self, rows: list[int]) -> None:
-        """Only batch rows `rows` go on."""
-
-
-class NGramProposer(Drafter):
-    """Prompt lookup per row (`NGramDrafter`). A step verifies as many drafts as the longest
-    proposal has; shorter ones (or none) are filled with the row's pending token, drafts like
-    any other that the full path keeps only where it agrees (so filling is lossless)."""
-
-    def __init__(self, prompts: list[list[int]]):
-        self.drafters = [NGramDrafter(prompt) for prompt in prompts]
-
-    def propose(self, pending, limit):
-        proposals = [drafter.propose(limit) for drafter in self.drafters]
-        length = max(len(proposal) for proposal in proposals)
-        if not length:
-            return None
-        filled = [proposal + [token] * (length - len(proposal))
-                  for proposal, token in zip(proposals, pending.tolist())]
-        return Drafts(torch.tensor(filled, device=pending.device))
-
-    def observe(self, emitted):
-        for drafter, tokens in zip(self.drafters, emitted):
-            drafter.extend(tokens)
-
-    def keep_rows(self, rows):
-        self.drafters = [self.drafters[row] for row in rows]
-
-
-class SelfDrafter(Drafter):
-    """Self-speculation: the light path drafts one token at a time on the same cache (its
-    approximate K/V are overwritten by the verifying full step), and stops when any row's top
-    draft probability falls below `threshold` (adaptive draft length)."""
-
-    def __init__(self, runner, sampling: SamplingConfig, generator, threshold: float):
-        """`runner`: generation.ModelRunner, whose `forward(..., light=True)` drafts."""
-        self.runner, self.sampling, self.generator, self.threshold = runner, sampling, generator, threshold
-
-    def propose(self, pending, limit):
-        tokens, probs = [], []
-        current = pending[:, None]
-        for offset in range(limit):
-            logits = self.runner.forward(current, offset, light=True)[:, -1]
-            distribution = self.sampling.probabilities(logits)
-            if distribution.max(-1).values.min() < self.threshold:
-                break
-            if self.sampling.do_sample:
-                draft = torch.multinomial(distribution, 1, generator=self.generator).squeeze(-1)
-            else:
-                draft = logits.argmax(-1)
-            tokens.append(draft)
-            probs.append(distribution)
-            current = draft[:, None]
-        if not tokens:
-            return None
-        return Drafts(torch.stack(tokens, 1), torch.stack(probs, 1) if self.sampling.do_sample else None)

@@ -1,40 +1,18 @@
-"""Continuous batching for an artifact's decoder: requests join and leave the running batch at
-every decode step (as vLLM and TGI do), each with its own sampling, stop conditions and budget.
+"""The decoding engine: continuous batching for an artifact's decoder (as vLLM v1 and TGI).
+`generate`, `rbcompile run`, `serve` and self-consistency's samples all decode here.
 
-Calls go one way. `BatchEngine.step()` admits waiting requests, highest priority (QoS class)
-first, then the client holding the fewest rows, then by arrival (waiting.py; a client under
-its fair share of rows may send others' rows back to the queue, preempted), and prefills the
-newcomers together: one forward over their prompts, left-padded to the longest part not in
-the `PrefixCache` (at most `prefill_tokens` padded
-tokens, unless one prompt alone is longer), written straight into the `BatchKVCache` rows the
-requests will decode in, after the cached blocks of each prompt are copied there; each
-request's first token comes from that prefill. A prompt longer than `prefill_chunk` tokens is
-prefilled in chunks instead (chunked prefill, as vLLM and Sarathi do): one chunk of at most
-`prefill_chunk` tokens per step, before the running rows' decode step, into K/V of its own
-(`ChunkedPrefill`, under the plan of its budget when it started; one such prompt at a time,
-queue order kept), so a long prompt delays the running streams by one chunk per step instead
-of by its whole prefill; after its last chunk its K/V are copied into a batch row and it
-joins. Then one decode step runs over every running row, each row gets its token, and
-finished or cancelled rows leave. A group of requests on one prompt (`submit_samples`: the n
-choices of a completion, the samples of self-consistency) joins with one prefilled row,
-forked into one row per request, each drawing its first token from the same logits with its
-own generator.
+One loop, `BatchEngine.step()`: schedule (waiting requests join by priority, then the client
+holding the fewest rows, then arrival, waiting.py; newcomers prefill together, left-padded,
+after the `PrefixCache` blocks of their prompts are copied into their rows; a prompt longer
+than `prefill_chunk` prefills one chunk per step instead; every row's drafter proposes,
+speculation.py) -> execute (one forward of the decoder over every running row's pending token
+and drafts, under the plan of the smallest budget among the rows) -> update (verify and sample
+per row, emit, finish; finished or cancelled rows leave). A group of requests on one prompt
+(`submit_samples`: n choices, a vote's samples) prefills one row, forked per request.
 
-Any thread may `submit` / `cancel`; one thread (the server's model thread) calls `step` while
-`has_work` and waits on `wake` otherwise. A row's tokens are those it would get alone: rows
-share only the step, never each other's keys (each row's mask starts at its own pad). Every
-forward runs the plan of the smallest budget among the rows in the batch at that moment, a
-row without a budget taking the engine's (a controller's); budgets are skipped-compute
-shares, so no request gets less compute than it asked for, and rows of one budget get exactly
-their tokens alone.
-
-Speculative decoding in the batch: a request with `speculate` gets up to `draft_tokens` n-gram
-drafts (prompt lookup over its own tokens, as `generate(speculate="ngram")`) each step; the
-step runs [pending token + drafts] for every row, padded to the longest (rows without drafts
-use only their first position), within `verify_tokens` tokens per step, and each row keeps
-the drafts the full path agrees with (`sampling.verify`, lossless: greedy rows keep exactly
-their tokens, sampled rows their distribution, the same draws as `generate` alone). The
-cache masks each row's rejected slots (`BatchKVCache.advance_rows`).
+Any thread may `submit` / `cancel`; one thread calls `step` while `has_work`. A row's tokens
+are those it would get alone: rows share only the step, never each other's keys; drafts are
+verified losslessly (`sampling.verify`). docs/generation.md has the details.
 """
 from __future__ import annotations
 
@@ -45,14 +23,15 @@ from typing import Callable
 
 import torch
 
-from .drafters import NGramDrafter
+from .drafters import LightDrafter, Proposal
 from .errors import UserError
-from .generation import StopCriteria, check_lengths, check_stop
-from .kv_cache import (BatchKVCache, DecoderShape, copy_blocks, power_of_two_at_least,
+from .kv_cache import (BatchKVCache, CachePool, DecoderShape, copy_blocks, power_of_two_at_least,
                        release_freed_memory, zeros)
 from .prefix_cache import PrefixCache
 from .requests import ChunkedPrefill, EngineConfig, EngineRequest, EngineStats
 from .sampling import verify_rows
+from .speculation import Speculation
+from .stopping import StopCriteria, check_lengths, check_stop
 from .waiting import WaitingQueue, fair_victims
 
 
@@ -61,24 +40,27 @@ class BatchEngine:
     gates=None)` is the artifact's decoder (see decoder.Decoder); `gates_for_budget(budget)`
     its gates for a budget (None: the full path); `config` how it batches (`EngineConfig`).
     `release_cache(tensors)` hears of K/V tensors the engine no longer uses (the cache grew, or
-    started over): the decoder's `forget_cache`."""
+    started over): the decoder's `forget_cache`; with a `cache_pool` its tensors come from the
+    pool and go back to it instead. `light`: the light path that 'self' drafts with."""
 
     def __init__(self, step: Callable, shape: DecoderShape, config: EngineConfig = EngineConfig(),
                  *, gates_for_budget: Callable, eos_token_ids=(), decode: Callable | None = None,
                  wake: threading.Condition | None = None, prefix_cache: PrefixCache | None = None,
-                 release_cache: Callable | None = None):
+                 release_cache: Callable | None = None, cache_pool: CachePool | None = None,
+                 light: LightDrafter | None = None):
         self.config, self.max_batch = config, config.max_batch
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.decode, self.prefix_cache = decode, prefix_cache
         self.cache = BatchKVCache(shape, config.max_batch, config.block,
-                                  power_of_two=config.batch_buckets, on_drop=release_cache)
+                                  power_of_two=config.batch_buckets, on_drop=release_cache,
+                                  pool=cache_pool)
         self.waiting = WaitingQueue()
         self.running: list[EngineRequest] = []        # running[i] decodes in cache row i
         self.chunked: ChunkedPrefill | None = None    # a long prompt being prefilled
         self.criteria: dict[EngineRequest, StopCriteria] = {}
         self.generators: dict[EngineRequest, torch.Generator | None] = {}
-        self.drafters: dict[EngineRequest, NGramDrafter] = {}
+        self.speculation = Speculation(config.draft_tokens, light)
         self.stats = EngineStats()
         self.budget: float | None = None   # for requests without their own (a controller's)
         self.controller = None             # runtime.decode_control.DecodeController, if any
@@ -109,14 +91,14 @@ class BatchEngine:
         for request in group:
             if not request.prompt:
                 raise UserError("the prompt is empty (0 tokens)")
-            check_lengths(len(request.prompt), request.max_new_tokens, self.shape.max_positions, None)
+            check_lengths(len(request.prompt), request.max_new_tokens, self.shape.max_positions)
             check_stop(request.stop, self.decode)
+            self.speculation.check(request)
         for request in group:
             self.criteria[request] = StopCriteria(request.max_new_tokens, self.eos,
                                                   list(request.stop), self.decode)
             self.generators[request] = request.sampling.generator(self.shape.device)
-            if request.speculate:
-                self.drafters[request] = NGramDrafter(request.prompt)
+            self.speculation.start(request)
         priority = min(request.priority for request in group)
         with self.wake:
             self.waiting.push(priority, tuple(group))
@@ -258,6 +240,7 @@ class BatchEngine:
                               [tensor[:, :, :end] for tensor in job.kv], gates=job.gates)[0, -1]
         job.done = end
         self.stats.prefill_forwards += 1
+        self.speculation.prefilled(job.group[:1])
         self.stats.prefill_chunks += 1
         if end < len(job.prompt):
             return
@@ -314,6 +297,7 @@ class BatchEngine:
                 self.prefix_cache.insert(prompt, gates, cache.prompt_kv(row, len(prompt)))
         self.stats.prefills += len(prompts)
         self.stats.prefill_forwards += 1
+        self.speculation.prefilled([group[0] for group in groups])
         self.stats.reused_prompt_tokens += sum(max(0, len(prompt) - width) for prompt in prompts)
         for group, row_logits in zip(groups, logits):
             self._first_tokens(group, row_logits)
@@ -330,29 +314,26 @@ class BatchEngine:
 
     def _decode(self) -> None:
         """One step over every running row: its pending token and its drafts, if any."""
-        cache, device, started = self.cache, self.shape.device, perf_counter()
+        cache, started = self.cache, perf_counter()
         self._check_s = 0.0
-        drafts = self._drafts()
+        config = self.config
+        limit = min(config.draft_tokens, config.verify_tokens // self._step_rows(cache.active) - 1)
+        cache.reserve_step(1 + max(limit, 0))   # the light path drafts in the step's slots
+        proposals = self.speculation.propose(self.running, limit, self._light_forward,
+                                             [self.generators[r] for r in self.running])
+        drafts = [proposal.tokens for proposal in proposals]
         width = 1 + max(map(len, drafts))
-        cache.reserve_step(width)
-        active = cache.active
-        rows = slice(0, self._step_rows(active))
         ids = [[request.tokens[-1], *draft] + [request.tokens[-1]] * (width - 1 - len(draft))
                for request, draft in zip(self.running, drafts)]
-        ids += [[0] * width] * (rows.stop - active)
-        positions = cache.positions(rows)
-        if rows.stop > active:  # idle rows: finite positions (their mask is all ones)
-            positions[active:] = 0
-        offsets = cache.slots[:width]
-        inputs = (torch.tensor(ids, device=device), cache.attention_mask(rows),
-                  positions[:, None] + offsets, cache.slots[cache.length:cache.length + width],
-                  offsets, cache.views(rows))
-        logits = self._checked_step(inputs, self._budget(self.running))
-        emitted = self._verify(logits, drafts)
+        logits = self._checked_step(self._step_inputs(ids, 0), self._budget(self.running))
+        emitted = self._verify(logits, proposals)
         cache.advance_rows([len(tokens) - 1 for tokens in emitted], width)
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self.running)
         self.stats.speculative_steps += width > 1
+        self.speculation.record(self.running, proposals, emitted, perf_counter() - started)
+        for mode in {r.drafting.mode for r, draft in zip(self.running, drafts) if draft} or {"off"}:
+            self.stats.steps_by_drafter[mode] = self.stats.steps_by_drafter.get(mode, 0) + 1
         if self.controller is not None:
             top = logits[:, 0].float().softmax(-1).max(-1).values.tolist()
             self.controller.step_done(perf_counter() - started - self._check_s, top)
@@ -369,21 +350,34 @@ class BatchEngine:
             return active
         return min(power_of_two_at_least(active), self.cache.rows)
 
-    def _drafts(self) -> list[list[int]]:
-        """Each running row's drafts this step ([] without `speculate` or a match): at most
-        `draft_tokens`, one less than the tokens it has left, and as many as keep the step
-        within `verify_tokens` tokens."""
-        config = self.config
-        limit = min(config.draft_tokens, config.verify_tokens // self._step_rows(len(self.running)) - 1)
-        if limit < 1 or not self.drafters:
-            return [[] for _ in self.running]
-        return [self.drafters[request].propose(min(limit, request.max_new_tokens - len(request.tokens) - 1))
-                if request in self.drafters else [] for request in self.running]
+    def _step_inputs(self, ids: list[list[int]], offset: int) -> tuple:
+        """A step's inputs for `ids` [running rows][width] written `offset` slots past the
+        cache's length (a batch bucket's idle rows run zeros)."""
+        cache, active = self.cache, self.cache.active
+        rows = slice(0, self._step_rows(active))
+        width = len(ids[0])
+        ids = ids + [[0] * width] * (rows.stop - active)
+        positions = cache.positions(rows)
+        if rows.stop > active:  # idle rows: finite positions (their mask is all ones)
+            positions[active:] = 0
+        offsets = cache.slots[:width]
+        start = cache.length + offset
+        return (torch.tensor(ids, device=self.shape.device), cache.attention_mask(rows),
+                positions[:, None] + offsets + offset, cache.slots[start:start + width],
+                offsets, cache.views(rows))
 
-    def _verify(self, logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+    def _light_forward(self, tokens: list[int], offset: int) -> torch.Tensor:
+        """The light path's logits [running rows, vocab] for one token per row, `offset`
+        slots past the cache's length (speculation.Speculation drafts with it)."""
+        inputs = self._step_inputs([[token] for token in tokens], offset)
+        return self.speculation.light.step(*inputs)[:self.cache.active, 0]
+
+    def _verify(self, logits: torch.Tensor, proposals: list[Proposal]) -> list[list[int]]:
         """Each row's tokens from the step's logits [rows, width, vocab] (`sampling.verify_rows`)."""
+        drafts = [proposal.tokens for proposal in proposals]
         emitted = verify_rows(logits, [request.sampling for request in self.running], drafts,
-                              [self.generators[request] for request in self.running])
+                              [self.generators[request] for request in self.running],
+                              [proposal.probs for proposal in proposals])
         for request, draft, tokens in zip(self.running, drafts, emitted):
             kept = len(tokens) - 1 if draft else 0
             request.drafted += len(draft)
@@ -433,8 +427,7 @@ class BatchEngine:
 
     def _emit(self, request: EngineRequest, token: int) -> None:
         request.row.tokens.append(token)
-        if request in self.drafters:
-            self.drafters[request].extend([token])
+        self.speculation.extend(request, token)
         if request.first_token_at is None:
             request.first_token_at = perf_counter()
         self.stats.tokens += 1
@@ -472,7 +465,7 @@ class BatchEngine:
         request.finish_reason, request.error = reason, error
         self.criteria.pop(request, None)
         self.generators.pop(request, None)
-        self.drafters.pop(request, None)
+        self.speculation.drop(request)
         self.stats.finished += 1
         if request.on_finish is not None:
             request.on_finish(request)

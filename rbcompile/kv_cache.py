@@ -1,12 +1,11 @@
-"""A static KV cache for decoder steps (gpt-fast style): 2 * layers tensors allocated once at
-their full length, written in place by the step at the slots it is given.
+"""The K/V cache of the decoding engine: `BatchKVCache`, 2 * layers tensors [rows, kv heads,
+slots, head dim] written in place by each step at the slots it is given, whose rows join and
+leave at every step (continuous batching), with per-row pads and holes masked.
 
-All rows share the slot index (`cache_position`): a batch of prompts of different lengths is
-left-padded, and each row's pad slots stay masked (attention mask 0) for the whole request.
-Slots at or past `length` hold garbage that causality masks, so dropping uncommitted slots
-(a rejected draft) is just not advancing `length`. A `CachePool` keeps the tensors from one
-generation to the next, so that CUDA graphs of its steps (which read the cache where it is)
-replay in the next one.
+All rows share the slot index (`cache_position`). Slots at or past `length` hold garbage
+that causality masks, so dropping a rejected draft's slots is just not advancing past them. A
+`CachePool` keeps the tensors from one generation to the next, so that CUDA graphs of its
+steps (which read the cache where it is) replay in the next one.
 """
 from __future__ import annotations
 
@@ -65,12 +64,6 @@ def power_of_two_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def padded_rows(running: int, rows: int, device) -> torch.Tensor:
-    """Row indices [rows]: 0 .. running - 1, then copies of the last (a batch bucket's idle
-    rows)."""
-    return torch.arange(rows, device=device).clamp_max(running - 1)
-
-
 def zeros(count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
     """`count` zero tensors of `shape` (a set of K/V cache tensors)."""
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
@@ -80,25 +73,18 @@ class CachePool:
     """K/V tensors kept between generations (gpt-fast allocates its cache once). A CUDA graph
     of a decoder step reads the cache where it is and is keyed by its address, so a generation
     that gets the tensors of the one before replays that one's graphs instead of capturing its
-    own. A cache takes a set of tensors of one shape and gives it back when its generation
-    ends or its batch moves to a smaller bucket. The sets waiting hold at most `max_share`
-    times the bytes of the largest of them, the least recently given back dropped first: two
-    sets of one shape, or one batch's buckets (8, 4, 2 and 1 rows: under twice the 8-row
-    set's bytes). Lengths are rounded up (`slots`) so that requests of similar length share a
-    shape. A set dropped for good (by that bound, by `clear`, or a cache's own set that it
-    `discard`s) goes to `on_drop`: the graphs that read it can let it go. Thread-safe."""
+    own. A cache takes a set of tensors of one shape and gives it back when it grows or its
+    generation ends. The sets waiting hold at most `max_share` times the bytes of the largest
+    of them, the least recently given back dropped first. A set dropped for good (by that
+    bound, by `clear`, or one a cache made itself and `discard`s) goes to `on_drop`: the graphs
+    that read it can let it go. Thread-safe."""
 
-    def __init__(self, max_share: float = 2.0, min_slots: int = 64,
+    def __init__(self, max_share: float = 2.0,
                  on_drop: Callable[[list[torch.Tensor]], None] | None = None):
-        self.max_share, self.min_slots, self.on_drop = max_share, min_slots, on_drop
+        self.max_share, self.on_drop = max_share, on_drop
         self._waiting: list[tuple[tuple, list[torch.Tensor]]] = []   # oldest first
         self._lock = threading.Lock()
         self.taken = self.reused = 0
-
-    def slots(self, needed: int, limit: int) -> int:
-        """The cache length for `needed` slots: the next power of two, at least `min_slots`,
-        at most `limit` (the model's positions) unless `needed` is more."""
-        return max(needed, min(max(self.min_slots, power_of_two_at_least(needed)), limit))
 
     def take(self, count: int, shape: tuple, dtype: torch.dtype, device) -> list[torch.Tensor]:
         """`count` zeroed tensors of `shape`: a waiting set when there is one."""
@@ -140,121 +126,16 @@ class CachePool:
             self.discard(waiting)
 
 
-class StaticKVCache:
-    """K/V tensors [batch, kv_heads, slots, head_dim] (k0, v0, k1, v1, ...), the committed
-    length, each row's next position, `slots` (arange over the slot axis: a step's slot and
-    position ids are slices of it, no new tensor and on a GPU no launch per step), and the
-    attention mask [batch, slots]: 0 on each row's left-pad slots and on the slots of drafts
-    that row rejected while another row kept them (so rows of one batch keep different numbers
-    of drafts without moving any K/V). The slot axis grows in `block`s when a step needs more.
-
-    With a `pool` (CUDA graphs), the batch comes in buckets: its rows are the next power of two
-    of the running ones, the rows past those idling as copies of the last running row (the
-    caller runs them on copies of its tokens, see `ModelRunner`), and the tensors of each
-    bucket come from the pool and go back to it when rows finish and the batch moves to a
-    smaller bucket, or at `release`; so a decode step's graph is one per batch bucket. Tensors
-    a step grows are the cache's own."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int,
-                 pads: torch.Tensor, dtype=torch.float32, device="cpu", block: int = 64,
-                 pool: CachePool | None = None):
-        self.block, self.pool = block, pool
-        pads = pads.to(device=device, dtype=torch.long)
-        if pool is not None:
-            pads = pads[self._bucket_rows(len(pads), pads.device)]
-        shape = (len(pads), kv_heads, max_len, head_dim)
-        self.tensors = (pool.take if pool is not None else zeros)(2 * layers, shape, dtype, device)
-        self._pooled = pool is not None   # the tensors are the pool's (given back when replaced)
-        self.positions = -pads   # each row's position at slot `length` (negative over its pads)
-        self.slots = torch.arange(max_len, device=device)  # sliced for slot and position ids
-        self.attention_mask = (self.slots[None] >= pads[:, None]).long()
-        self.length = 0
-
-    @property
-    def batch(self) -> int:
-        """Rows, the idle ones included."""
-        return self.positions.shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.attention_mask.shape[1]
-
-    def inputs(self, tokens: int, offset: int = 0):
-        """(attention_mask [B, slots], position_ids [B, T], cache_position [T]) for `tokens`
-        tokens written from slot `length + offset` on; pad slots get position 0, like HF."""
-        start = self.length + offset
-        self.reserve(start + tokens)
-        steps = self.slots[offset:offset + tokens]
-        position_ids = (self.positions[:, None] + steps[None]).clamp_min(0)
-        return self.attention_mask, position_ids, self.slots[start:start + tokens]
-
-    def commit(self, tokens: int) -> None:
-        """The next `tokens` slots of every row now hold K/V of accepted tokens."""
-        self.reserve(self.length + tokens)
-        self.length += tokens
-        self.positions += tokens
-
-    def commit_rows(self, kept: list[int]) -> None:
-        """After a verification step (a pending token and drafts written from slot `length`):
-        running row i keeps its pending token and `kept[i]` drafts (idle rows: as the last
-        running row). The batch advances past the most kept; each row's rejected slots before
-        that are masked."""
-        kept = kept + kept[-1:] * (self.batch - len(kept))
-        most = max(kept)
-        for row, count in enumerate(kept):
-            if count < most:
-                self.attention_mask[row, self.length + count + 1:self.length + most + 1] = 0
-        self.length += most + 1
-        self.positions += torch.tensor(kept, device=self.positions.device) + 1
-
-    def reserve(self, slots: int) -> None:
-        """At least `slots` slots (grown in whole blocks; new slots unmasked)."""
-        if slots <= self.max_len:
-            return
-        extra = -(-(slots - self.max_len) // self.block) * self.block
-        self._replace([torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2)
-                       for t in self.tensors], pooled=False)
-        self.attention_mask = torch.cat(
-            [self.attention_mask, self.attention_mask.new_ones(self.batch, extra)], 1)
-        self.slots = torch.arange(self.max_len, device=self.slots.device)
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only running rows `rows`, in that order (finished rows leave the batch; with a
-        pool, the batch shrinks to their bucket)."""
-        device = self.positions.device
-        index = rows.to(device)[self._bucket_rows(len(rows), device)]
-        moved = [t.index_select(0, index) for t in self.tensors]
-        if len(index) == self.batch:     # the same bucket: the rows move within the tensors
-            for tensor, rows_moved in zip(self.tensors, moved):
-                tensor.copy_(rows_moved)
-        elif self.pool is not None:      # a smaller bucket: its tensors come from the pool
-            tensors = self.pool.take(len(moved), moved[0].shape, moved[0].dtype, moved[0].device)
-            for tensor, rows_moved in zip(tensors, moved):
-                tensor.copy_(rows_moved)
-            self._replace(tensors, pooled=True)
-        else:
-            self._replace(moved, pooled=False)
-        self.positions = self.positions.index_select(0, index)
-        self.attention_mask = self.attention_mask.index_select(0, index)
-
-    def release(self) -> None:
-        """The generation is over: the pool's tensors (if still in use) go back to it."""
-        self._replace([], pooled=False)
-
-    def _bucket_rows(self, running: int, device) -> torch.Tensor:
-        """Indices of the batch's rows for `running` running rows: those, then (with a pool)
-        copies of the last up to the next power of two."""
-        rows = power_of_two_at_least(running) if self.pool is not None else running
-        return padded_rows(running, rows, device)
-
-    def _replace(self, tensors: list[torch.Tensor], pooled: bool) -> None:
-        """`tensors` (the pool's when `pooled`) replace the ones the cache had: those go back
-        to the pool, or, made by the cache itself, are discarded."""
-        if self._pooled:
-            self.pool.give_back(self.tensors)
-        elif self.pool is not None and self.tensors:
-            self.pool.discard(self.tensors)
-        self.tensors, self._pooled = tensors, pooled
+def step_inputs(pads: torch.Tensor, start: int, count: int, slots: int) -> tuple:
+    """(attention_mask [B, slots], position_ids [B, count], cache_position [count]) of a step
+    writing `count` tokens from slot `start` into a cache of `slots` slots whose rows are
+    left-padded by `pads` (a prefill from slot 0, then decode steps; pad slots get position
+    0, like HF): for tracing and one-step measurements, outside the engine."""
+    device = pads.device
+    slot_ids = torch.arange(slots, device=device)
+    cache_position = slot_ids[start:start + count]
+    positions = (cache_position[None] - pads[:, None]).clamp_min(0)
+    return (slot_ids[None] >= pads[:, None]).long(), positions, cache_position
 
 
 class BatchKVCache:
@@ -263,7 +144,7 @@ class BatchKVCache:
     `rows` rows are allocated; the first `active` are in use and all share the slot index:
     slot `length` is the next one written. A request joins by a prefill written straight into
     row `active` at slots [length - P, length), so its left pad is `length - P` (slots before it
-    are masked; positions are slot - pad, as in StaticKVCache), or as a copy of a row that
+    are masked; positions are slot - pad), or as a copy of a row that
     joined (`fork`). A row leaves by the last active row being copied into its place. A step
     may write several slots per row (a pending token and drafts); the slots of drafts a row
     rejected become holes, masked for good, and its positions skip them (`advance_rows`). The
@@ -275,12 +156,15 @@ class BatchKVCache:
     `power_of_two` (CUDA graphs, keyed by the capacity and holding the tensors they read) it
     grows to the next power of two of blocks: a step's graphs are one per doubling. The tensors
     it grew out of go to `on_drop` (the decoder's `forget_cache`: the graphs that read them go
-    too). `slots`: arange over the slot axis, as in StaticKVCache."""
+    too), or with a `pool` (CUDA graphs across generations) go back to it, and its tensors come
+    from it. `slots`: arange over the slot axis (a step's slot and position ids are slices of
+    it, no new tensor)."""
 
     def __init__(self, shape: DecoderShape, rows: int, block: int = 64, power_of_two: bool = False,
-                 on_drop: Callable[[list[torch.Tensor]], None] | None = None):
+                 on_drop: Callable[[list[torch.Tensor]], None] | None = None,
+                 pool: CachePool | None = None):
         self.shape, self.rows, self.block, self.power_of_two = shape, rows, block, power_of_two
-        self.on_drop = on_drop
+        self.on_drop, self.pool = on_drop, pool
         self.tensors = self._allocate(block)
         self._views: tuple = (None, None, None)   # (rows, tensors, their views): see `views`
         self.pads = torch.zeros(rows, dtype=torch.long, device=shape.device)
@@ -299,7 +183,8 @@ class BatchKVCache:
 
     def _allocate(self, capacity: int) -> list[torch.Tensor]:
         s = self.shape
-        return zeros(2 * s.layers, (self.rows, s.kv_heads, capacity, s.head_dim), s.dtype, s.device)
+        take = zeros if self.pool is None else self.pool.take
+        return take(2 * s.layers, (self.rows, s.kv_heads, capacity, s.head_dim), s.dtype, s.device)
 
     def views(self, rows: slice) -> list[torch.Tensor]:
         """The cache tensors of `rows` (views: a step writes into the batch's storage). The
@@ -378,18 +263,17 @@ class BatchKVCache:
         """Room for the next `tokens` slots of every active row."""
         self._reserve(self.length + tokens)
 
-    def advance(self, tokens: int = 1) -> None:
-        self.length += tokens
-
     def advance_rows(self, kept: list[int], width: int) -> None:
         """After a step that wrote `width` slots per active row from `length` (a pending token
-        and drafts): row i keeps its pending token and `kept[i]` drafts, the slots of the
-        drafts it rejected become holes."""
+        and drafts): row i keeps its pending token and `kept[i]` drafts. The batch advances past
+        the most kept (the slots after those are written again by the next step); the slots of
+        drafts a row rejected before that become holes."""
+        most = max(kept, default=width - 1)
         for row, count in enumerate(kept):
-            if count + 1 < width:
-                self.mask[row, self.length + count + 1:self.length + width] = 0
-                self.skipped[row] += width - 1 - count
-        self.length += width
+            if count < most:
+                self.mask[row, self.length + count + 1:self.length + most + 1] = 0
+                self.skipped[row] += most - count
+        self.length += most + 1
 
     def _reserve(self, slots: int) -> None:
         if slots <= self.capacity:
@@ -431,11 +315,14 @@ class BatchKVCache:
         """An empty cache of one block, like this one, in its place (its tensors dropped)."""
         self.drop(self.tensors)
         return BatchKVCache(self.shape, self.rows, self.block, power_of_two=self.power_of_two,
-                            on_drop=self.on_drop)
+                            on_drop=self.on_drop, pool=self.pool)
 
     def drop(self, tensors: list[torch.Tensor]) -> None:
-        """`tensors` (this cache's, before it grew or was replaced) will not be used again."""
-        if self.on_drop is not None:
+        """`tensors` (this cache's, before it grew or was replaced) will not be used again
+        (with a pool: by this cache)."""
+        if self.pool is not None:
+            self.pool.give_back(tensors)
+        elif self.on_drop is not None:
             self.on_drop(tensors)
 
 

@@ -1,5 +1,6 @@
-"""What the batch engine (engine.py) is asked and what it counts: a request, the engine's
-counters, a long prompt being prefilled in chunks, and how it batches (`EngineConfig`)."""
+"""What the batch engine (engine.py) is asked and what it counts: a request, the group of rows
+that drafts together and its counters, the engine's counters, a long prompt being prefilled in
+chunks, and how it batches (`EngineConfig`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,8 +10,57 @@ from typing import Callable
 import torch
 
 from .errors import UserError
-from .generation import RowTokens
+from .draft_policy import AutoPolicy, FixedPolicy
 from .sampling import SamplingConfig
+from .stopping import RowTokens
+
+SPECULATE_MODES = ("off", "ngram", "self", "auto")
+
+
+@dataclass
+class GenerationStats:
+    """Counters of a group of rows (`DraftGroup`: one `generate` call). Token counts are summed
+    over rows."""
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0            # engine time, not counting a stream consumer's time
+    forward_calls: int = 0          # step and draft-step calls, prefill included
+    drafted: int = 0                # draft tokens sent to verification
+    accepted: int = 0               # drafts kept
+    decode_steps: int = 0           # full-path steps after prefill
+    step_tokens: float = 0.0        # tokens per row emitted by those steps (mean), summed
+    rows_per_step: list[int] = field(default_factory=list)   # the group's rows in each full forward
+    steps_by_mode: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per row per decode step (1 + accepted drafts; 1.0 without speculation)."""
+        return self.step_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    def record_step(self, mode: str, rows: int, drafted: int, kept: int) -> None:
+        """A full-path step of `rows` rows that verified `drafted` drafts and kept `kept`."""
+        self.decode_steps += 1
+        self.step_tokens += 1 + kept / rows
+        self.drafted += drafted
+        self.accepted += kept
+        self.steps_by_mode[mode] = self.steps_by_mode.get(mode, 0) + 1
+
+
+@dataclass(eq=False)
+class DraftGroup:
+    """Rows that pick their drafter together each step (one `generate` call's rows, or one
+    served choice), and their counters."""
+    policy: FixedPolicy | AutoPolicy
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    mode: str = "off"               # the drafter of the step running
 
 
 @dataclass(eq=False)
@@ -25,7 +75,8 @@ class EngineRequest:
     budget: float | None = None
     priority: int = 1               # lower first (QoS class: 0 interactive, 1 standard, 2 batch)
     client: str | None = None       # who asked: rows are shared fairly among clients (waiting.py)
-    speculate: bool = False         # n-gram drafts verified in the batch step
+    speculate: str = "off"          # the drafter: SPECULATE_MODES; drafts verified in the batch step
+    drafting: DraftGroup | None = None   # shared with the rows it picks drafters with (None: its own)
     on_token: Callable[[int], None] | None = None
     on_finish: Callable[["EngineRequest"], None] | None = None
     row: RowTokens = field(default_factory=lambda: RowTokens(0))
@@ -66,6 +117,8 @@ class EngineStats:
     tokens: int = 0
     finished: int = 0
     preempted: int = 0              # rows sent back to the queue for a client under its share
+    steps_by_drafter: dict[str, int] = field(default_factory=dict)  # decode steps by the
+    # drafters whose drafts they verified ('off': none)
 
 
 @dataclass(eq=False)

@@ -64,16 +64,20 @@ class SamplingConfig:
 
 
 def verify_rows(logits: torch.Tensor, configs: list[SamplingConfig], drafts: list[list[int]],
-                generators: list) -> list[list[int]]:
+                generators: list, draft_probs: list[list[torch.Tensor]] | None = None
+                ) -> list[list[int]]:
     """Each row's tokens from one batch step's logits [rows, width, vocab]: the drafts the full
     path keeps and the token after them (`verify`); a row without drafts, a token from its
-    first position."""
+    first position. `draft_probs`: per row, the distributions its drafts were drawn from ([]:
+    each proposed with probability 1)."""
     greedy = logits[:, 0].argmax(-1).tolist()
     emitted = []
     for index, (config, draft, generator) in enumerate(zip(configs, drafts, generators)):
         if draft:
+            probs = draft_probs[index] if draft_probs else []
             kept, following = verify(config, logits[index, :len(draft) + 1],
-                                     torch.tensor(draft, device=logits.device), None, generator)
+                                     torch.tensor(draft, device=logits.device),
+                                     torch.stack(probs) if probs else None, generator)
             emitted.append(draft[:kept] + [following])
         elif config.do_sample:
             emitted.append([int(config.choose(logits[index, :1], generator))])

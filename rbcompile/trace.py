@@ -11,7 +11,7 @@ import torch
 from .architectures import DECODER, Architecture
 from .decoder import STEP_INPUTS
 from .errors import CompileError, first_line
-from .kv_cache import StaticKVCache
+from .kv_cache import zeros
 
 logger = logging.getLogger("rbcompile.trace")
 
@@ -266,9 +266,8 @@ def cached_example_inputs(dims, max_len: int, batch: int, seq: int, dtype, devic
               "position_ids": torch.arange(seq).expand(batch, seq).contiguous(),
               "cache_position": torch.arange(seq), "logit_positions": torch.arange(seq)}
     inputs = {name: value.to(device) for name, value in inputs.items()}
-    cache = StaticKVCache(dims.layers, dims.kv_heads, dims.head_dim, max_len,
-                          pads=torch.zeros(batch), dtype=dtype, device=device)
-    return {**inputs, **dict(zip(cache_names(dims.layers), cache.tensors))}
+    cache = zeros(2 * dims.layers, (batch, dims.kv_heads, max_len, dims.head_dim), dtype, device)
+    return {**inputs, **dict(zip(cache_names(dims.layers), cache))}
 
 
 def _unwrap(gm: torch.fx.GraphModule, names: tuple[str, ...]) -> torch.fx.GraphModule:

@@ -315,10 +315,10 @@ def generate_voted(compiled, input_ids, attention_mask, consistency, *, vote: Vo
     """`CompiledModel.generate(..., consistency=k or 'auto')`: checks the options (one-line
     errors), then the vote on the one prompt with an engine of its own (and a prefix cache,
     so waves and 'auto''s samples reuse the prompt's K/V); `options` are SampleGroup's."""
-    from .generation import _check_prompts
+    from .generation import check_prompts
 
     check_vote(consistency, speculate=speculate, stream=stream, sampling=options["sampling"])
-    prompt_ids, pads = _check_prompts(input_ids, attention_mask)
+    prompt_ids, pads = check_prompts(input_ids, attention_mask)
     if prompt_ids.shape[0] != 1:
         raise UserError(f"consistency votes over the samples of one prompt; got a batch of "
                         f"{prompt_ids.shape[0]}")

@@ -90,10 +90,10 @@ class RunStream(StreamingResponse):
 
 class TokenRun:
     """A generation's (choice, token) events, and its counters for the metrics once they end
-    (`counts()`: draft tokens verified and accepted, and `generate`'s decode steps by mode;
-    the engine's steps are read from the engine itself); `close()` runs when the events end."""
+    (`counts()`: draft tokens verified and accepted; the engine's steps are read from the
+    engine itself); `close()` runs when the events end."""
 
-    def __init__(self, events, counts: Callable[[], tuple[int, int, dict]],
+    def __init__(self, events, counts: Callable[[], tuple[int, int]],
                  plan: Callable[[], dict], close: Callable[[], None] = lambda: None):
         self.counts, self.plan, self.started, self.tokens = counts, plan, time.perf_counter(), 0
         self._close, self.closed = close, False
@@ -116,9 +116,8 @@ class TokenRun:
             await events.aclose()   # its own finally blocks now
 
     def record(self, metrics: Metrics) -> None:
-        drafted, accepted, steps_by_mode = self.counts()
+        drafted, accepted = self.counts()
         metrics.record_generation(self.tokens, time.perf_counter() - self.started, drafted, accepted)
-        metrics.steps.add(steps_by_mode)
 
 
 def plan_headers(asked: GuardedPlan) -> dict[str, str]:

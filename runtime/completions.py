@@ -123,10 +123,7 @@ class CompletionEndpoints(Service):
             self.metrics.drafter.labels(body.rbcompile.speculate).inc()
             if body.rbcompile.budget is not None:  # what runs: the guarded plan's budget
                 body.rbcompile.budget = job.asked.budget
-            if body.rbcompile.speculate in ("off", "ngram"):
-                run = self._batched(job)
-            else:
-                run = await self._generated(job)
+            run = self._batched(job)
         except BaseException:
             job.release()
             raise
@@ -164,8 +161,8 @@ class CompletionEndpoints(Service):
         """The choices as requests of the continuous-batching engine, the n choices of a prompt
         as one group that shares its prefill (when the batch has rows for all n); choice i
         samples with seed `seed + i` (its own generator: the same prompt, seed and choice index
-        give the same text whatever else is in the batch). `speculate: ngram` drafts are
-        verified in the engine's batch steps."""
+        give the same text whatever else is in the batch). Each choice drafts with its own
+        `speculate` drafter, verified in the engine's batch steps."""
         body, batch = job.body, job.batch
         engine, loop, queue = self.worker.engine, asyncio.get_running_loop(), asyncio.Queue()
         requests = []
@@ -177,7 +174,7 @@ class CompletionEndpoints(Service):
                     group.append(EngineRequest(
                         prompt, job.max_tokens, _sampling(body, index), job.stop,
                         body.rbcompile.budget, priority=QOS_CLASSES.index(body.rbcompile.qos),
-                        client=job.client, speculate=body.rbcompile.speculate == "ngram",
+                        client=job.client, speculate=body.rbcompile.speculate,
                         on_token=partial(deliver, loop, queue, index),
                         on_finish=lambda request, index=index: deliver(loop, queue, index, None)))
                 if len(group) <= engine.max_batch:
@@ -195,7 +192,7 @@ class CompletionEndpoints(Service):
                     engine.cancel(request)
 
         return TokenRun(self._engine_events(requests, queue), lambda: (
-            sum(r.drafted for r in requests), sum(r.accepted for r in requests), {}),
+            sum(r.drafted for r in requests), sum(r.accepted for r in requests)),
             lambda: self._plan_report(job.asked, max(r.budget_run for r in requests)), close)
 
     async def _engine_events(self, requests: list[EngineRequest], queue: asyncio.Queue):
@@ -263,26 +260,6 @@ class CompletionEndpoints(Service):
                               "samples": stats.drawn, "voted": stats.voted,
                               "stopped_early": stats.stopped_early, "tier": stats.tier,
                               "plan": self._plan_report(job.asked, job.asked.budget)}}
-
-    async def _generated(self, job: "_Job") -> TokenRun:
-        """The choices through speculative `generate` as one batch on the model thread (the
-        engine drafts by n-gram only: 'self' and 'auto' need the light path's draft forwards
-        per request), one token per job between engine steps; `seed` seeds the one generator
-        the batch draws from."""
-        body, batch = job.body, job.batch
-        events = await self.worker.call(
-            self.compiled.generate, batch["input_ids"].repeat_interleave(body.n, 0),
-            batch["attention_mask"].repeat_interleave(body.n, 0),
-            max_new_tokens=job.max_tokens, do_sample=body.temperature > 0,
-            temperature=body.temperature or 1.0, top_p=body.top_p if body.top_p < 1 else None,
-            seed=body.seed, stop=job.stop or None, budget=body.rbcompile.budget,
-            speculate=body.rbcompile.speculate, stream=True)   # checks, before the 200
-
-        def counts():
-            stats = events.result().stats
-            return stats.drafted, stats.accepted, stats.steps_by_mode
-        return TokenRun(self.worker.iterate(events), counts,
-                        lambda: self._plan_report(job.asked, job.asked.budget), job.release)
 
     def _plan(self, budget: float | None) -> GuardedPlan:
         """The plan a budget runs: the guard's, and the live checks' where a controller runs

@@ -88,23 +88,14 @@ class Metrics:
 
 
 class DrafterSteps:
-    """A Prometheus collector: decode steps by the drafter that ran them, from the engine's
-    batch steps (n-gram when any row verified drafts, else off) and speculative `generate`'s
-    steps (`add`; under 'auto', the modes it chose)."""
+    """A Prometheus collector: the engine's decode steps by the drafters whose drafts they
+    verified ('off': none; under 'auto', the modes it chose)."""
 
     def __init__(self):
-        self.engine, self.generated = None, {}
-
-    def add(self, steps_by_mode: dict[str, int]) -> None:
-        for mode, count in steps_by_mode.items():
-            self.generated[mode] = self.generated.get(mode, 0) + count
+        self.engine = None
 
     def collect(self):
-        counts = dict(self.generated)
-        if self.engine is not None:
-            stats = self.engine.stats
-            counts["off"] = counts.get("off", 0) + stats.decode_steps - stats.speculative_steps
-            counts["ngram"] = counts.get("ngram", 0) + stats.speculative_steps
+        counts = {} if self.engine is None else self.engine.stats.steps_by_drafter
         family = CounterMetricFamily("rbcompile_decode_steps_by_drafter", "Decode steps by the "
                                      "drafter that ran them (auto: the modes it chose)", labels=["drafter"])
         for mode, count in sorted(counts.items()):

@@ -8,7 +8,7 @@ import torch
 
 import rbcompile
 from rbcompile.errors import UserError
-from rbcompile.kv_cache import StaticKVCache
+from rbcompile.kv_cache import step_inputs, zeros
 
 PROMPTS = torch.tensor([[0, 0, 21, 22, 23, 21, 22], [31, 32, 33, 34, 35, 31, 32]])
 
@@ -130,10 +130,10 @@ def test_a_trace_that_writes_no_cache_is_refused(compiled_tiny, monkeypatch):
 def _prefill(decoder, positions=torch.arange(7), gates=None):
     """The decoder's prefill of PROMPTS on a fresh cache: (logits at `positions`, the cache)."""
     shape, mask = decoder.shape, (PROMPTS != 0).long()
-    cache = StaticKVCache(shape.layers, shape.kv_heads, shape.head_dim, 12, 7 - mask.sum(1))
-    attention_mask, position_ids, cache_position = cache.inputs(7)
-    return decoder(PROMPTS, attention_mask, position_ids, cache_position, positions,
-                   cache.tensors, gates=gates), cache.tensors
+    cache = zeros(2 * shape.layers, (len(PROMPTS), shape.kv_heads, 12, shape.head_dim),
+                  shape.dtype, shape.device)
+    return decoder(PROMPTS, *step_inputs(7 - mask.sum(1), 0, 7, 12), positions, cache,
+                   gates=gates), cache
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -257,11 +257,10 @@ def test_decode_steps_replay_one_graph_per_plan(compiled_tiny):
 
 
 def test_finished_rows_move_the_batch_to_smaller_buckets_under_cuda_graphs(compiled_tiny):
-    """With (fake) CUDA graphs a batch runs in power-of-two buckets: 3 prompts as 4 rows, and
-    as rows finish the batch moves to the bucket of the rows left, its tensors from the pool.
-    So a generation that repeats the last one replays every step's graph (before, each shrink
-    made tensors of its own, captured anew by every generation); tokens are eager's, with and
-    without drafts."""
+    """With (fake) CUDA graphs a batch decodes in power-of-two buckets: 3 prompts as 4 rows,
+    and as rows finish the steps run the bucket of the rows left (the first rows of the same
+    tensors, which come from the pool). So a generation that repeats the last one replays
+    every step's graph; tokens are eager's, with and without drafts."""
     from test_cuda_graphs import FakeCapture
 
     compiled = compiled_tiny["llama"][0]
@@ -286,8 +285,8 @@ def test_finished_rows_move_the_batch_to_smaller_buckets_under_cuda_graphs(compi
             before = (graphs.stats.captures, graphs.stats.eager_calls)
             assert compiled.generate(prompts, max_new_tokens=10, speculate=speculate).tokens == expected
         assert (graphs.stats.captures, graphs.stats.eager_calls) == before   # all replayed
-        assert set(batches) == {4, 2, 1}
-        assert compiled.decoder.cache_pool.reused >= 3 * 3   # each bucket's set, generations 2-4
+        assert set(batches) == {3, 4, 2, 1}     # the prefill: its 3 rows; decode steps: buckets
+        assert compiled.decoder.cache_pool.reused >= 3   # the batch's set, generations 2-4
     finally:
         compiled.use_cuda_graphs(False)
         compiled.hf_config["eos_token_id"] = own_eos
@@ -347,42 +346,27 @@ def _ended(tokens: list[int], eos: list[int]) -> int:
     return next((i + 1 for i, token in enumerate(tokens) if token in eos), len(tokens))
 
 
-def test_cache_pool_rounds_lengths_and_hands_out_zeroed_tensors():
-    from rbcompile.kv_cache import CachePool, StaticKVCache
+def test_cache_pool_hands_out_zeroed_sets_and_keeps_a_bounded_share():
+    from rbcompile.kv_cache import CachePool
 
-    def cache(pads):
-        return StaticKVCache(2, 1, 4, 64, torch.tensor(pads), pool=pool)
-
-    def rows(cache):  # what each row holds (rows are filled with their first index below)
-        return cache.tensors[0][:, 0, 0, 0].tolist()
-
-    pool = CachePool(max_share=1.5)
-    assert [pool.slots(n, 1024) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
-    assert pool.slots(300, 320) == 320 and pool.slots(400, 320) == 400
-    first = cache((0, 1, 2))                # 3 rows: a bucket of 4, the last a copy of row 2
-    assert first.batch == 4 and first.tensors[0].shape == (4, 1, 64, 4)
-    assert first.attention_mask[:, :3].tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 1]]
-    four = first.tensors
+    dropped = []
+    pool = CachePool(max_share=1.5, on_drop=dropped.append)
+    four = pool.take(2, (4, 1, 8, 2), torch.float32, "cpu")
     for tensor in four:
-        tensor.copy_(torch.arange(4.0)[:, None, None, None].expand_as(tensor))
-    first.keep_rows(torch.tensor([0, 2, 1]))   # the same bucket: rows move within the tensors
-    assert first.tensors is four and rows(first) == [0, 2, 1, 1]
-    assert first.attention_mask[:, :3].tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1], [0, 1, 1]]
-    first.keep_rows(torch.tensor([1]))      # a bucket of 1: a set of the pool's; 4 rows go back
-    assert rows(first) == [2] and first.positions.tolist() == [-2]
-    one = first.tensors
-    first.release()
-    again, other = cache((0, 0, 0, 0)), cache((0, 0, 0, 0))   # the waiting set, zeroed; a new one
-    assert [t.data_ptr() for t in again.tensors] == [t.data_ptr() for t in four]
-    assert all((t == 0).all() for t in again.tensors)
-    assert other.tensors[0].data_ptr() not in {t.data_ptr() for t in four}
-    assert cache((0,)).tensors[0].data_ptr() == one[0].data_ptr()
-    assert pool.taken == 5 and pool.reused == 2
-    other.release()
-    again.release()      # 4 + 4 rows' bytes: more than 1.5 times one set's, the older goes
-    assert cache((0, 0, 0, 0)).tensors[0].data_ptr() == four[0].data_ptr()
-    assert cache((0, 0, 0, 0)).tensors[0].data_ptr() not in {t.data_ptr() for t in four}
-    assert pool.taken == 7 and pool.reused == 3
+        tensor.fill_(7.0)
+    pool.give_back(four)
+    again, other = pool.take(2, (4, 1, 8, 2), torch.float32, "cpu"), \
+        pool.take(2, (4, 1, 8, 2), torch.float32, "cpu")   # the waiting set, zeroed; a new one
+    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in four]
+    assert all((t == 0).all() for t in again)
+    assert other[0].data_ptr() not in {t.data_ptr() for t in four}
+    one = pool.take(2, (1, 1, 8, 2), torch.float32, "cpu")   # another shape: its own set
+    assert pool.taken == 4 and pool.reused == 1
+    pool.give_back(one)
+    pool.give_back(other)
+    pool.give_back(again)   # 1 + 4 + 4 rows' bytes: over 1.5 times a 4-row set's, the oldest go
+    assert [id(tensors) for tensors in dropped] == [id(one), id(other)]
+    assert pool.take(2, (4, 1, 8, 2), torch.float32, "cpu")[0].data_ptr() == four[0].data_ptr()
 
 
 def test_calibration_chooses_the_draft_plan_by_acceptance_and_cost(calibrated_tiny, tmp_path):

@@ -2,6 +2,8 @@
 tokens it would get alone from `generate`, whatever joins or leaves the batch around it, the
 batch's K/V cache keeps every row's keys through joins, leaves, shifts, compaction and growth,
 and cancelled or bad requests leave the others alone."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -174,10 +176,10 @@ def test_speculating_rows_verify_ngram_drafts_in_the_batch_step(compiled_tiny, a
     step = engine.step_fn
     engine.step_fn = lambda ids, *args, **kwargs: widths.append(ids.shape[1]) or step(ids, *args, **kwargs)
     sampling = SamplingConfig(do_sample=True, temperature=0.8, seed=4)
-    greedy = EngineRequest(PROMPTS[0] * 2, 16, speculate=True)
+    greedy = EngineRequest(PROMPTS[0] * 2, 16, speculate="ngram")
     plain = EngineRequest(PROMPTS[1], 12)
-    sampled = EngineRequest(PROMPTS[2], 14, sampling, speculate=True)
-    later = EngineRequest(PROMPTS[3] * 3, 10, speculate=True)
+    sampled = EngineRequest(PROMPTS[2], 14, sampling, speculate="ngram")
+    later = EngineRequest(PROMPTS[3] * 3, 10, speculate="ngram")
     drain(engine, [greedy, plain, sampled, later], {0: [greedy, plain], 2: [sampled], 6: [later]})
     assert greedy.tokens == alone(compiled, greedy.prompt, 16, speculate="ngram")
     assert greedy.tokens == alone(compiled, greedy.prompt, 16)
@@ -191,6 +193,44 @@ def test_speculating_rows_verify_ngram_drafts_in_the_batch_step(compiled_tiny, a
     assert stats.accepted == sum(r.accepted for r in (greedy, sampled, later))
     assert plain.drafted == 0
     assert stats.decode_steps < stats.tokens - stats.prefills   # some steps gave a row several
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_every_drafter_runs_in_the_batch_steps(compiled_tiny, arch):
+    """Requests with each drafter (off, n-gram, the light path, auto) join one engine at
+    different steps; the light path drafts for its rows over the batch's own cache, and every
+    greedy request's tokens equal `generate` on it alone without drafts. Each request's draft
+    group counts its own steps."""
+    compiled = compiled_tiny[arch][0]
+    engine = compiled.batch_engine(max_batch=3)
+    engine.speculation.light = replace(engine.speculation.light, threshold=0.0)  # flat tiny models
+    light_calls = []
+    step = engine.speculation.light.step
+    engine.speculation.light = replace(engine.speculation.light, step=lambda ids, *rest:
+                                       light_calls.append(ids.shape) or step(ids, *rest))
+    modes = ["self", "off", "ngram", "auto", "self"]
+    prompts = [PROMPTS[0] * 2, PROMPTS[1], PROMPTS[2] * 2, PROMPTS[3] * 3, PROMPTS[1]]
+    requests = [EngineRequest(prompt, 12, speculate=mode) for prompt, mode in zip(prompts, modes)]
+    drain(engine, requests, {0: requests[:2], 1: requests[2:4], 5: requests[4:]})
+    for request in requests:
+        assert request.tokens == alone(compiled, request.prompt, 12), request.speculate
+    assert light_calls and all(shape[1] == 1 for shape in light_calls)
+    assert requests[0].drafted > 0 and requests[4].drafted > 0 and requests[1].drafted == 0
+    groups = [request.drafting for request in requests]
+    assert len(set(map(id, groups))) == len(requests)
+    assert groups[1].stats.steps_by_mode == {"off": groups[1].stats.decode_steps}
+    assert set(groups[0].stats.steps_by_mode) == {"self"}
+    assert engine.stats.steps_by_drafter.get("self", 0) > 0
+
+
+def test_a_drafter_the_engine_lacks_is_refused_before_it_queues(compiled_tiny):
+    engine = compiled_tiny["llama"][0].batch_engine(max_batch=2)
+    engine.speculation.light = None
+    for mode, message in (("self", "speculate='self' needs a draft_step"),
+                          ("eagle", "unknown speculate='eagle'")):
+        with pytest.raises(UserError, match=message):
+            engine.submit(EngineRequest(PROMPTS[0], 4, speculate=mode))
+    assert not engine.has_work
 
 
 def test_cancelled_request_frees_its_row_and_others_go_on(compiled_tiny):
@@ -289,10 +329,11 @@ def test_batch_cache_keeps_every_rows_keys_through_shifts_compaction_and_growth(
 
     join(1, 3)
     decode(2)
-    speculate([1], 4)     # two rejected drafts: holes
+    speculate([1], 4)     # two rejected drafts past the most kept: written again, no holes
+    assert cache.length == 7 and not cache.skipped[0]
     join(2, 12)           # longer than the running row: slots (and holes) shift right
-    assert int(cache.pads[0]) == 3
-    speculate([3, 0], 4)
+    assert int(cache.pads[0]) == 5
+    speculate([3, 0], 4)  # row 1 rejects its 3 drafts: holes
     decode(2)
     cache.leave(0)        # row 1 moves into row 0, its holes with it
     owners[0:2] = [owners[1]]
@@ -353,7 +394,7 @@ def test_decode_steps_run_batch_buckets_under_cuda_graphs(compiled_tiny):
             return run(ids, mask, position_ids, cache_position, logit_positions, *rest)
 
         graphs.run = recorded
-        requests = [EngineRequest(prompt, new, speculate=True)
+        requests = [EngineRequest(prompt, new, speculate="ngram")
                     for prompt, new in zip(prompts, lengths)]
         drain(engine, requests, {0: requests})
         assert [request.tokens for request in requests] == expected

@@ -4,6 +4,7 @@ import asyncio
 import base64
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 import openai
@@ -469,12 +470,16 @@ def test_cli_serve_compiles_plans_and_refuses_cuda_graphs_on_cpu(tmp_path, llama
 
 
 def test_concurrent_completions_share_batch_steps_and_keep_their_tokens(llama):
-    """Six completions at once (ASGI, concurrently), half with `speculate: ngram`: the engine
-    decodes them together, verifying the n-gram drafts in its batch steps, and each text is
-    generate's on that prompt alone; /metrics counts the drafts."""
+    """Six completions at once (ASGI, concurrently), with every drafter (off, ngram, the light
+    path, auto): the engine decodes them together, verifying the drafts in its batch steps, and
+    each text is generate's on that prompt alone; /metrics counts the drafts and the steps by
+    drafter."""
     import httpx
 
     app = create_app(llama, max_batch=4)
+    speculation = app.state.engine.speculation
+    speculation.light = replace(speculation.light, threshold=0.0)   # flat tiny model: drafts
+    modes = ["ngram", "off", "self", "auto", "ngram", "self"]
     prompts = ["the a of the a", "he she and to", "in the in the in", "of and to in he", "she", "a the of and"]
 
     async def post_all():
@@ -482,8 +487,8 @@ def test_concurrent_completions_share_batch_steps_and_keep_their_tokens(llama):
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             responses = await asyncio.gather(*(client.post("/v1/completions", json={
                 "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                "rbcompile": {"speculate": "ngram" if i % 2 == 0 else "off"}})
-                for i, prompt in enumerate(prompts)))
+                "rbcompile": {"speculate": mode}})
+                for mode, prompt in zip(modes, prompts)))
             return responses, (await client.get("/metrics")).text
 
     responses, metrics = asyncio.run(post_all())
@@ -493,8 +498,12 @@ def test_concurrent_completions_share_batch_steps_and_keep_their_tokens(llama):
     assert stats.prefills == len(prompts) and stats.decode_rows > stats.decode_steps
     assert stats.speculative_steps > 0 and stats.drafted > 0
     assert f"rbcompile_speculative_drafted_tokens_total {float(stats.drafted)}" in metrics
-    assert 'rbcompile_completions_by_drafter_total{drafter="ngram"} 3.0' in metrics
-    assert f'rbcompile_decode_steps_by_drafter_total{{drafter="ngram"}} {float(stats.speculative_steps)}' in metrics
+    assert 'rbcompile_completions_by_drafter_total{drafter="ngram"} 2.0' in metrics
+    assert 'rbcompile_completions_by_drafter_total{drafter="self"} 2.0' in metrics
+    for mode in ("ngram", "self"):
+        assert stats.steps_by_drafter[mode] > 0
+        assert f'rbcompile_decode_steps_by_drafter_total{{drafter="{mode}"}} ' \
+               f'{float(stats.steps_by_drafter[mode])}' in metrics
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(llama):
