@@ -180,7 +180,7 @@ def make_contenders(compiled, eager, eos: set[int], pad: int, new_tokens: int):
         def run(input_ids, mask):
             batch = compiled.batch_engine(max_batch=input_ids.shape[0])
             requests = [batch.submit(EngineRequest(row[keep.bool()].tolist(), new_tokens,
-                                                   speculate=mode == "ngram"))
+                                                   speculate=mode))
                         for row, keep in zip(input_ids, mask)]
             while batch.has_work:
                 batch.step()
