@@ -27,18 +27,17 @@ from starlette.exceptions import HTTPException
 
 from rbcompile.errors import UserError, first_line
 from rbcompile.prefix_cache import PrefixCache
-from rbcompile.runtime.admission import Watermarks
 from rbcompile.runtime.completions import ClientGone, CompletionEndpoints
 from rbcompile.runtime.decode_control import DecodeController
 from rbcompile.runtime.embeddings import EmbeddingEndpoints
 from rbcompile.runtime.gatekeeper import Gatekeeper
-from rbcompile.runtime.limits import ServeLimits
 from rbcompile.runtime.model_worker import ModelWorker, log
 from rbcompile.runtime.openai_api import (ApiError, ChatCompletionRequest, CompletionRequest,
                                           EmbeddingRequest, error_body, validation_error)
-from rbcompile.runtime.quality_loop import QualityLoop, QualityLoopConfig
+from rbcompile.runtime.quality_loop import QualityLoop
 from rbcompile.runtime.quality_metrics import QualityCollector
 from rbcompile.runtime.result_cache import ResultCache
+from rbcompile.runtime.serve_config import ServeConfig
 from rbcompile.runtime.serve_metrics import Metrics
 
 
@@ -46,34 +45,31 @@ SHUTDOWN_JOIN_S = 30   # how long shutdown waits for the model thread's last ste
 
 # ---- the app -----------------------------------------------------------------------------------
 
-def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = ServeLimits(),
-               max_batch: int = 16, prefix_cache_mb: float = 256, prefill_chunk: int | None = 512,
-               result_cache_mb: float = 256, watermarks: Watermarks = Watermarks(),
-               memory: Callable[[], float] | None = None, policy=None, slo_s: float = 0.1,
-               quality_loop: QualityLoopConfig = QualityLoopConfig()) -> FastAPI:
-    """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer). With `api_key`,
-    every path but /health needs `Authorization: Bearer <api_key>`. Decoders' completions are
-    continuously batched, at most `max_batch` rows at a time (1: one after another), with a
-    prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none), prompts longer than
-    `prefill_chunk` tokens prefilled in chunks of it between decode steps (None: whole).
-    Encoders' embeddings of exact repeats come from a result cache of `result_cache_mb` MiB (0:
-    none). Completions are admitted by QoS class under the memory `watermarks` (`memory()`: the
-    system memory fraction in use, psutil's by default): from 60% the prefix and result caches
-    halve, from 80% the batch class gets 503, from 95% every new completion does, with
-    Retry-After; admitted ones always finish. With a `policy` (runtime/policy.py), a
+def create_app(compiled, config: ServeConfig = ServeConfig(), *, policy=None,
+               memory: Callable[[], float] | None = None) -> FastAPI:
+    """The FastAPI app serving `compiled` (a CompiledModel with a tokenizer) as `config` says
+    (runtime/serve_config.py). Completions are admitted by QoS class under the memory
+    watermarks (`memory()`: the system memory fraction in use, psutil's by default): from 60%
+    the prefix and result caches halve, from 80% the batch class gets 503, from 95% every new
+    completion does, with Retry-After; admitted ones always finish. With a `policy` (built
+    from `config.policy`: runtime/serve_policy.py; a Ray replica's ClusterPolicy), a
     DecodeController sets the budget of completions that bring none, holding the decode-step
-    latency at `slo_s`, within what `compiled.guard` and the live agreement checks of
-    `quality_loop` allow (runtime/quality_loop.py). A completion's budget field is guarded
-    too; the response says which plan ran (`rbcompile.plan`; streams: headers)."""
+    latency at `config.slo_s`, within what the quality guard and the live agreement checks
+    allow (runtime/quality_loop.py). A completion's budget field is guarded too; the response
+    says which plan ran (`rbcompile.plan`; streams: headers)."""
+    if config.guard is not None:
+        compiled.guard = config.guard
     metrics, worker = Metrics(), ModelWorker()
-    results = ResultCache(int(result_cache_mb * (1 << 20))) \
-        if compiled.family != "decoder" and result_cache_mb > 0 else None
+    results = ResultCache(int(config.result_cache_mb * (1 << 20))) \
+        if compiled.family != "decoder" and config.result_cache_mb > 0 else None
     if results is not None:
         metrics.watch_results(results)
     if compiled.family == "decoder":
-        prefix_cache = PrefixCache(capacity_bytes=int(prefix_cache_mb * (1 << 20))) if prefix_cache_mb > 0 else None
-        worker.engine = compiled.batch_engine(max_batch, wake=worker.wake, prefix_cache=prefix_cache,
-                                              prefill_chunk=prefill_chunk)
+        prefix_cache = PrefixCache(capacity_bytes=int(config.prefix_cache_mb * (1 << 20))) \
+            if config.prefix_cache_mb > 0 else None
+        worker.engine = compiled.batch_engine(config.max_batch, wake=worker.wake,
+                                              prefix_cache=prefix_cache,
+                                              prefill_chunk=config.prefill_chunk)
         metrics.watch(worker.engine)
 
     @asynccontextmanager
@@ -90,10 +86,10 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
         from rbcompile.runtime.monitors import ResourceMonitor
         memory = ResourceMonitor().memory_fraction
     if policy is not None and worker.engine is not None:
-        controller = DecodeController(worker.engine, policy, slo_s, memory,
-                                      quality_loop=QualityLoop(compiled, quality_loop))
+        controller = DecodeController(worker.engine, policy, config.slo_s, memory,
+                                      quality_loop=QualityLoop(compiled, config.quality_loop))
         metrics.registry.register(QualityCollector(controller))
-    service = _Service(compiled, limits, metrics, worker, watermarks, memory, results)
+    service = _Service(compiled, config.limits, metrics, worker, config.watermarks, memory, results)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -122,8 +118,9 @@ def create_app(compiled, *, api_key: str | None = None, limits: ServeLimits = Se
     async def embeddings(body: EmbeddingRequest):
         return await service.embed(body)
 
-    app.add_middleware(Gatekeeper, metrics=metrics, api_key=api_key, max_body_bytes=limits.max_body_bytes,
-                       body_timeout_s=limits.body_timeout_s)
+    app.add_middleware(Gatekeeper, metrics=metrics, api_key=config.api_key,
+                       max_body_bytes=config.limits.max_body_bytes,
+                       body_timeout_s=config.limits.body_timeout_s)
     return app
 
 

@@ -24,10 +24,16 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
+from .. import manifest as manifests
 from ..errors import UserError
+from ..guard import DECODER, QualityGuard, lossy_budgets
 from .policy import BasePolicy, Decision, PolicyState
+from .serve_config import ServeConfig
+from .serve_policy import build_policy
 
 RAY_MISSING = "rbcompile serve --ray needs the 'ray' extra: pip install 'rbcompile[ray]'"
 APP_NAME = "rbcompile"
@@ -88,21 +94,14 @@ class ClusterBudget:
         self.last_aggregate: PolicyState | None = None
         self._decided_at: float | None = None
 
-    def start(self, policy_args: dict, artifact: str) -> str | None:
-        """Build the policy on the cluster, as a single server does (`serve_policy`; pid
-        reads the artifact's plans, ppo its --policy-file): None, or the user error's text."""
-        from .. import manifest as manifests
-        from ..guard import DECODER, QualityGuard, lossy_budgets
-        from .serve_policy import PolicyOptions, build_policy
-        from pathlib import Path
-
+    def start(self, config: ServeConfig, artifact: str) -> str | None:
+        """Build the policy of `config` on the cluster, as a single server does
+        (`serve_policy`; pid reads the artifact's plans, ppo its --policy-file): None, or the
+        user error's text."""
         try:
-            plans = manifests.read(Path(artifact)).get("plans") if policy_args["policy"] == "pid" else None
-            guard = QualityGuard(policy_args["max_quality_loss"], policy_args["allow_unmeasured_plans"])
-            most = max(lossy_budgets(plans, guard, DECODER), default=0.0)
-            options = PolicyOptions(policy_args["policy"], policy_args["budget"],
-                                    policy_args["slo_ms"], policy_args["policy_file"])
-            self.policy = build_policy(options, most)
+            plans = manifests.read(Path(artifact)).get("plans") if config.policy.policy == "pid" else None
+            most = max(lossy_budgets(plans, config.guard or QualityGuard(), DECODER), default=0.0)
+            self.policy = build_policy(config.policy, most)
         except UserError as exc:
             return str(exc)
         return None
@@ -224,26 +223,20 @@ class ReplicaHeader:
 
 # ---- the deployment ----------------------------------------------------------------------------
 
-def app_builder(artifact: str, actor, options: dict) -> Callable:
+def app_builder(artifact: str, actor, config: ServeConfig) -> Callable:
     """The builder `serve.ingress` evaluates on each replica: load the artifact, make the app
-    (`create_app(**options)`) with a ClusterPolicy reporting to `actor`, name the replica."""
+    (`create_app(model, config)`) with a ClusterPolicy reporting to `actor`, name the replica."""
 
     def build():
         from ray import serve
 
         import rbcompile
-        from rbcompile.guard import QualityGuard
-        from rbcompile.runtime.http import ServeLimits, create_app
-        from rbcompile.runtime.quality_loop import QualityLoopConfig
+        from rbcompile.runtime.http import create_app   # FastAPI: on the replica only
 
         replica = serve.get_replica_context().replica_tag
         model = rbcompile.load(artifact)
         policy = ClusterPolicy.for_actor(actor, replica)
-        settings = dict(options)
-        limits = ServeLimits(**settings.pop("limits"))
-        model.guard = QualityGuard(**settings.pop("guard"))
-        checks = QualityLoopConfig(check_every=settings.pop("quality_check_every"))
-        app = create_app(model, limits=limits, policy=policy, quality_loop=checks, **settings)
+        app = create_app(model, config, policy=policy)
 
         @app.get(CLUSTER_PATH)
         async def cluster():
@@ -262,23 +255,22 @@ def app_builder(artifact: str, actor, options: dict) -> Callable:
     return build
 
 
-def deploy(artifact: str, *, replicas: int, policy_args: dict, options: dict,
-           replica_cpus: float = 1.0, host: str = "127.0.0.1", port: int = 8000):
+def deploy(artifact: str, config: ServeConfig, *, replicas: int, replica_cpus: float = 1.0,
+           host: str = "127.0.0.1", port: int = 8000):
     """Start the controller actor and `replicas` replicas under Ray Serve (ray already
     initialised); returns the actor once every replica is up. Raises UserError for a policy
     the cluster cannot build."""
     ray, serve = import_ray()
     actor = ray.remote(ClusterBudget).options(num_cpus=0).remote()
-    problem = ray.get(actor.start.remote(policy_args, str(artifact)))
+    problem = ray.get(actor.start.remote(config, str(artifact)))
     if problem:
         ray.kill(actor)
         raise UserError(problem)
-    limits = options.get("limits", {})
     deployment = serve.deployment(
-        serve.ingress(app_builder(str(artifact), actor, options))(),
+        serve.ingress(app_builder(str(artifact), actor, config))(),
         name=APP_NAME, num_replicas=replicas, ray_actor_options={"num_cpus": replica_cpus},
         # the engine queues and sheds by QoS class itself: let every request reach a replica
-        max_ongoing_requests=options.get("max_batch", 16) + limits.get("max_queue", 1024),
+        max_ongoing_requests=config.max_batch + config.limits.max_queue,
         graceful_shutdown_timeout_s=DRAIN_S)
     serve.start(http_options={"host": host, "port": port})
     try:
@@ -299,12 +291,10 @@ def _replica_error(serve) -> str | None:
     return found[-1].strip() if found else None
 
 
-def serve_on_ray(args, api_key: str | None) -> None:
+def serve_on_ray(args, config: ServeConfig) -> None:
     """`rbcompile serve --ray`: deploy, serve until SIGINT / SIGTERM, then delete the app (Ray
     Serve lets each replica finish its open requests, up to DRAIN_S) and leave the cluster (a
     Ray started here stops)."""
-    from pathlib import Path
-
     ray, serve = import_ray()
     artifact, policy_file = args.artifact, args.policy_file
     if args.ray_address is None:   # Ray on this machine: paths as this shell sees them
@@ -321,20 +311,9 @@ def serve_on_ray(args, api_key: str | None) -> None:
                 raise UserError(f"--replicas {args.replicas} x --replica-cpus {args.replica_cpus:g} "
                                 f"needs {args.replicas * args.replica_cpus:g} CPUs; this machine's "
                                 f"Ray has {cpus:g} (lower --replica-cpus, e.g. 0.5)")
-        options = {"api_key": api_key, "max_batch": args.max_batch,
-                   "prefix_cache_mb": args.prefix_cache_mb, "prefill_chunk": args.prefill_chunk or None,
-                   "result_cache_mb": args.result_cache_mb,
-                   "slo_s": args.slo_ms / 1000,
-                   "limits": {"max_body_bytes": args.max_body_bytes,
-                              "max_tokens_limit": args.max_tokens_limit},
-                   "guard": {"max_quality_loss": args.max_quality_loss,
-                             "allow_unmeasured": args.allow_unmeasured_plans},
-                   "quality_check_every": args.quality_check_every}
-        policy_args = {"policy": args.policy, "budget": args.budget, "slo_ms": args.slo_ms,
-                       "policy_file": policy_file, "max_quality_loss": args.max_quality_loss,
-                       "allow_unmeasured_plans": args.allow_unmeasured_plans}
-        deploy(artifact, replicas=args.replicas, policy_args=policy_args, options=options,
-               replica_cpus=args.replica_cpus, host=args.host, port=args.port)
+        config = replace(config, policy=replace(config.policy, policy_file=policy_file))
+        deploy(artifact, config, replicas=args.replicas, replica_cpus=args.replica_cpus,
+               host=args.host, port=args.port)
         print(f"serving {args.artifact} on http://{args.host}:{args.port}/v1 with {args.replicas} "
               f"Ray Serve replicas (policy {args.policy}, one controller)", file=sys.stderr, flush=True)
         _wait_for_signal()

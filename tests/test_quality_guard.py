@@ -21,6 +21,8 @@ from rbcompile.runtime.decode_control import DecodeController
 from rbcompile.runtime.http import create_app
 from rbcompile.runtime.pid import PIDConfig
 from rbcompile.runtime.policy import PIDPolicy, StaticPolicy
+from rbcompile.runtime.serve_config import ServeConfig
+from rbcompile.runtime.serve_policy import PolicyOptions
 from rbcompile.runtime.quality_loop import (OBSERVED, QualityLoop, QualityLoopConfig,
                                             changed_lower_bound)
 
@@ -159,7 +161,7 @@ def test_pid_under_an_slo_it_cannot_hold_keeps_an_uncalibrated_model_lossless(ll
     controller asks for the largest budget, the guard withholds every (unmeasured) lossy plan,
     each greedy completion is the full path's, and /metrics counts the withheld decisions."""
     policy = PIDPolicy(PIDConfig(setpoint=1e-6, period_s=0.0), max_budget=1.0)
-    app = create_app(llama, max_batch=4, policy=policy, slo_s=1e-6)
+    app = create_app(llama, ServeConfig(max_batch=4, policy=PolicyOptions(slo_ms=1e-3)), policy=policy)
     app.state.engine.controller.period_s = 0.0
     bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PROMPTS]
     responses, metrics = asyncio.run(_post_all(app, bodies))
@@ -196,7 +198,8 @@ def test_a_controller_driven_to_its_maximum_runs_no_plan_over_the_guard(calibrat
         allowed = lossy_budgets(calibrated.plans, calibrated.guard, DECODER)
         assert any(loss > limit for loss in decoder_losses.values())
         policy = PIDPolicy(PIDConfig(setpoint=1e-6, period_s=0.0), max_budget=1.0)
-        app = create_app(calibrated, max_batch=4, policy=policy, slo_s=1e-6)
+        app = create_app(calibrated, ServeConfig(max_batch=4, policy=PolicyOptions(slo_ms=1e-3)),
+                         policy=policy)
         engine = app.state.engine
         engine.controller.period_s = 0.0
         ran, guarded = [], engine.gates_for_budget

@@ -16,13 +16,16 @@ import rbcompile
 from conftest import text_streamed_through_sigterm, unguarded
 from rbcompile.cli import main
 from rbcompile.runtime.decode_control import DecodeController
+from rbcompile.guard import QualityGuard
 from rbcompile.runtime.http import create_app
 from rbcompile.runtime.policy import BasePolicy, Decision, PolicyState, StaticPolicy
 from rbcompile.runtime.ray_serving import (CLUSTER_PATH, RAY_MISSING, REPLICA_HEADER, ClusterBudget,
                                            ClusterPolicy, aggregate)
+from rbcompile.runtime.serve_config import ServeConfig
+from rbcompile.runtime.serve_policy import PolicyOptions
 
 # serve's --max-quality-loss and --allow-unmeasured-plans, as the cluster controller gets them
-GUARD = {"max_quality_loss": 0.03, "allow_unmeasured_plans": True}
+GUARD = {"max_quality_loss": 0.03, "allow_unmeasured": True}
 PROMPTS = ["the a of and to in", "he she", "it was the", "of the a he", "she was in", "to be or"]
 
 
@@ -102,16 +105,16 @@ def test_cluster_budget_decides_on_the_aggregate_once_per_period():
 
 
 def test_cluster_budget_builds_the_policy_as_serve_does(tmp_path):
+    def config(policy, budget=0.0, slo_ms=100.0):
+        return ServeConfig(policy=PolicyOptions(policy, budget, slo_ms), guard=QualityGuard(**GUARD))
+
     cluster = ClusterBudget()
-    assert cluster.start({"policy": "static", "budget": 0.5, "slo_ms": 100, "policy_file": None, **GUARD},
-                         str(tmp_path)) is None
+    assert cluster.start(config("static", 0.5), str(tmp_path)) is None
     assert cluster.report("r", PolicyState()).budget == 0.5
-    assert "--policy-file goes with --policy ppo" in ClusterBudget().start(
-        {"policy": "ppo", "budget": 0, "slo_ms": 100, "policy_file": None, **GUARD}, str(tmp_path))
-    assert "--slo-ms must be > 0" in ClusterBudget().start(
-        {"policy": "static", "budget": 0, "slo_ms": 0, "policy_file": None, **GUARD}, str(tmp_path))
+    assert "--policy-file goes with --policy ppo" in ClusterBudget().start(config("ppo"), str(tmp_path))
+    assert "--slo-ms must be > 0" in ClusterBudget().start(config("static", slo_ms=0), str(tmp_path))
     assert "missing manifest.json" in ClusterBudget().start(   # pid reads the artifact's plans
-        {"policy": "pid", "budget": 0, "slo_ms": 100, "policy_file": None, **GUARD}, str(tmp_path))
+        config("pid"), str(tmp_path))
 
 
 def test_cluster_policy_never_waits_on_a_slow_controller_and_keeps_the_last_decision():

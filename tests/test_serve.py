@@ -17,8 +17,10 @@ import rbcompile
 from conftest import served_by_cli, text_streamed_through_sigterm, wait_for_health
 from rbcompile.cli import main
 from rbcompile.quality import mean_pool
-from rbcompile.runtime.http import ServeLimits, create_app
+from rbcompile.runtime.http import create_app
+from rbcompile.runtime.limits import ServeLimits
 from rbcompile.runtime.model_worker import ModelWorker
+from rbcompile.runtime.serve_config import ServeConfig
 from rbcompile.runtime.text_stream import TextStream
 
 PROMPTS = ["the a of and to in", "he she"]
@@ -42,7 +44,7 @@ def bert(tiny_checkpoints):
 
 @pytest.fixture(scope="module")
 def decoder_client(llama):
-    return TestClient(create_app(llama, limits=ServeLimits(max_tokens_limit=40)))
+    return TestClient(create_app(llama, ServeConfig(limits=ServeLimits(max_tokens_limit=40))))
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +227,7 @@ def test_sampled_choices_differ_and_a_seed_repeats_them(decoder_client):
 
 
 def test_chat_fills_the_positions_left_by_default(llama):
-    client = TestClient(create_app(llama, limits=ServeLimits(max_tokens_limit=5)))
+    client = TestClient(create_app(llama, ServeConfig(limits=ServeLimits(max_tokens_limit=5))))
     chat = client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0}).json()
     assert chat["choices"][0]["message"]["content"] == greedy_chat_text(llama, MESSAGES, 5)
 
@@ -291,7 +293,7 @@ def test_repeated_embedding_inputs_come_from_the_result_cache(bert):
     (one forward of 1 row); another budget misses; /metrics shows the hit rate; under memory
     pressure the cache holds half its capacity; --result-cache-mb 0 turns it off."""
     level = {"memory": 0.1}
-    client = TestClient(create_app(bert, memory=lambda: level["memory"], result_cache_mb=1))
+    client = TestClient(create_app(bert, ServeConfig(result_cache_mb=1), memory=lambda: level["memory"]))
     texts = ["the a of", "he she was in the"]
     first = client.post("/v1/embeddings", json={"input": texts}).json()["data"]
     calls = []
@@ -304,7 +306,7 @@ def test_repeated_embedding_inputs_come_from_the_result_cache(bert):
         client.post("/v1/embeddings", json={"input": texts[0], "rbcompile": {"budget": 0.5}})
     assert again == first and mixed[0]["embedding"] == first[1]["embedding"]
     assert calls == [(1, 2), (1, 3)]     # "she was" (2 tokens), then texts[0] at budget 0.5
-    fresh = TestClient(create_app(bert, result_cache_mb=0)).post(
+    fresh = TestClient(create_app(bert, ServeConfig(result_cache_mb=0))).post(
         "/v1/embeddings", json={"input": ["she was"]}).json()["data"][0]["embedding"]
     assert np.allclose(mixed[1]["embedding"], fresh, atol=1e-6)
     metrics = client.get("/metrics").text
@@ -374,14 +376,14 @@ def test_malformed_json_and_wrong_family(decoder_client, encoder_client):
 
 
 def test_body_limit(llama):
-    client = TestClient(create_app(llama, limits=ServeLimits(max_body_bytes=64)))
+    client = TestClient(create_app(llama, ServeConfig(limits=ServeLimits(max_body_bytes=64))))
     response = client.post("/v1/completions", json={"prompt": "the " * 40})
     assert response.status_code == 413
     assert response.json()["error"]["message"] == "the request body is over the 64-byte limit"
 
 
 def test_api_key(llama):
-    client = TestClient(create_app(llama, api_key="s3cret"))
+    client = TestClient(create_app(llama, ServeConfig(api_key="s3cret")))
     body = {"prompt": "the", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
         response = client.post("/v1/completions", json=body, headers=headers)
@@ -476,7 +478,7 @@ def test_concurrent_completions_share_batch_steps_and_keep_their_tokens(llama):
     drafter."""
     import httpx
 
-    app = create_app(llama, max_batch=4)
+    app = create_app(llama, ServeConfig(max_batch=4))
     speculation = app.state.engine.speculation
     speculation.light = replace(speculation.light, threshold=0.0)   # flat tiny model: drafts
     modes = ["ngram", "off", "self", "auto", "ngram", "self"]
@@ -584,7 +586,7 @@ def test_memory_watermarks_refuse_with_503_by_qos_class(llama):
     """80%: the batch class gets 503 (others are served); 95%: every completion gets 503 with
     Retry-After; 60%: the prefix cache is halved first. Counted in /metrics."""
     level = {"memory": 0.5}
-    client = TestClient(create_app(llama, memory=lambda: level["memory"], prefix_cache_mb=0.01))
+    client = TestClient(create_app(llama, ServeConfig(prefix_cache_mb=0.01), memory=lambda: level["memory"]))
     body = {"prompt": " ".join([PROMPTS[0]] * 3), "max_tokens": 4, "temperature": 0}   # 18 tokens
     assert client.post("/v1/completions", json=body).status_code == 200
     cache = client.app.state.engine.prefix_cache

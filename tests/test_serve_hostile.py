@@ -27,6 +27,7 @@ from rbcompile.engine import EngineRequest
 from rbcompile.runtime import connections
 from rbcompile.runtime.http import create_app
 from rbcompile.runtime.limits import ConnectionLimits, ServeLimits
+from rbcompile.runtime.serve_config import ServeConfig
 from rbcompile.runtime.text_stream import StopPrefix, TextStream
 
 PROMPT = "the a of and to in"
@@ -151,8 +152,8 @@ def test_prompts_times_n_are_bounded_before_anything_is_tokenised_or_queued(llam
 
 
 def test_a_request_counts_all_its_choices_against_the_queue_and_its_client(llama):
-    app = slowed(create_app(llama, max_batch=1, limits=ServeLimits(
-        max_queue=4, max_choices=4, max_client_choices=6)), 0.02)
+    app = slowed(create_app(llama, ServeConfig(max_batch=1, limits=ServeLimits(
+        max_queue=4, max_choices=4, max_client_choices=6))), 0.02)
     long = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0}
     with live(app) as base:
         holder = threading.Thread(target=httpx.post, args=(f"{base}/v1/completions",),
@@ -170,7 +171,7 @@ def test_a_request_counts_all_its_choices_against_the_queue_and_its_client(llama
         assert "queue full (4 of 4 requests waiting, 1 more asked)" in shed.json()["error"]["message"]
         holder.join(60)
         queued.join(60)
-    limited = create_app(llama, limits=ServeLimits(max_client_choices=2))
+    limited = create_app(llama, ServeConfig(limits=ServeLimits(max_client_choices=2)))
     with live(slowed(limited, 0.02)) as base:
         streaming = threading.Thread(target=httpx.post, args=(f"{base}/v1/completions",),
                                      kwargs={"json": {**long, "n": 2, "stream": True}, "timeout": 60})
@@ -244,7 +245,7 @@ def test_a_stream_left_at_once_gives_back_its_rows_and_its_client_share(llama):
         time.sleep(0.2)
         return 0.0
 
-    app = slowed(create_app(llama, limits=ServeLimits(max_client_choices=2), memory=memory), 0.05)
+    app = slowed(create_app(llama, ServeConfig(limits=ServeLimits(max_client_choices=2)), memory=memory), 0.05)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 50, "n": 2, "stream": True}).encode()
     with live(app) as base:
         port = int(base.rsplit(":", 1)[1])

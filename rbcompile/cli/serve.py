@@ -7,8 +7,8 @@ import sys
 import threading
 from functools import partial
 
-from .guard import _guard_from, _guard_leaves, _quality_guard, _serving_budgets
-from .serve_options import limits_from
+from .guard import _guard_leaves, _quality_guard, _serving_budgets
+from .serve_options import limits_from, serve_config
 
 
 def _cmd_serve(args) -> None:
@@ -27,19 +27,18 @@ def _cmd_serve(args) -> None:
         raise UserError(f"--prefill-chunk must be >= 0 (0: never chunk), got {args.prefill_chunk}")
     if args.quality_check_every < 0:
         raise UserError(f"--quality-check-every must be >= 0, got {args.quality_check_every}")
-    _guard_from(args)   # a bad --max-quality-loss before anything starts
     if args.ray:
-        return _serve_ray(args, api_key)
+        return _serve_ray(args, serve_config(args, api_key))
     if args.replicas is not None or args.ray_address or args.replica_cpus is not None:
         raise UserError("--replicas, --ray-address and --replica-cpus go with --ray")
     try:
         from rbcompile.runtime import connections
         from rbcompile.runtime.http import create_app
-        from rbcompile.runtime.quality_loop import QualityLoopConfig
+        from rbcompile.runtime.serve_policy import build_policy
     except ImportError as exc:
         raise UserError(f"rbcompile serve needs the 'serve' extra ({exc.name} is missing): "
                         "pip install 'rbcompile[serve]'") from None
-    limits, connection_limits = limits_from(args)
+    config, connection_limits = serve_config(args, api_key), limits_from(args)[1]
     sock = connections.bind(args.host, args.port)   # a port in use: refused before loading
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
     _quality_guard(args, model)
@@ -47,11 +46,8 @@ def _cmd_serve(args) -> None:
         model.compile_plans()
     if args.cuda_graphs:
         model.use_cuda_graphs()
-    policy = _serve_policy(args, max(_serving_budgets(model), default=0.0))
-    app = create_app(model, api_key=api_key, limits=limits, max_batch=args.max_batch,
-                     prefix_cache_mb=args.prefix_cache_mb, prefill_chunk=args.prefill_chunk or None,
-                     result_cache_mb=args.result_cache_mb, policy=policy, slo_s=args.slo_ms / 1000,
-                     quality_loop=QualityLoopConfig(check_every=args.quality_check_every))
+    policy = build_policy(config.policy, max(_serving_budgets(model), default=0.0))
+    app = create_app(model, config, policy=policy)
     print(f"quality guard: max quality loss {args.max_quality_loss:g}; {_guard_leaves(model)}",
           file=sys.stderr)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
@@ -59,7 +55,7 @@ def _cmd_serve(args) -> None:
     _serve_until_signalled(partial(connections.serve, app, sock, connection_limits))
 
 
-def _serve_ray(args, api_key: str | None) -> None:
+def _serve_ray(args, config) -> None:
     """`serve --ray`: replicas under Ray Serve, one controller (runtime/ray_serving.py)."""
     from ..errors import UserError
     from ..runtime.ray_serving import import_ray, serve_on_ray
@@ -73,15 +69,7 @@ def _serve_ray(args, api_key: str | None) -> None:
     if args.replicas < 1 or not args.replica_cpus > 0:
         raise UserError("--replicas must be >= 1 and --replica-cpus > 0")
     import_ray()  # the one-line error without the extra, before anything starts
-    serve_on_ray(args, api_key)
-
-
-def _serve_policy(args, max_budget: float):
-    """The policy of --policy and its options (runtime/serve_policy.py)."""
-    from ..runtime.serve_policy import PolicyOptions, build_policy
-
-    return build_policy(PolicyOptions(args.policy, args.budget, args.slo_ms, args.policy_file),
-                        max_budget)
+    serve_on_ray(args, config)
 
 
 def _serve_until_signalled(serve) -> None:

@@ -1,5 +1,6 @@
-"""`rbcompile serve`'s limits on requests, clients and connections: the command-line options
-and the `ServeLimits` / `ConnectionLimits` they make."""
+"""`rbcompile serve`'s options as typed objects: the limits on requests, clients and
+connections (`ServeLimits` / `ConnectionLimits`), and the `ServeConfig` of all of them, made
+once and handed to the app and to Ray replicas."""
 from __future__ import annotations
 
 import argparse
@@ -53,3 +54,20 @@ def limits_from(args: argparse.Namespace):
                                    keep_alive_s=args.keep_alive_timeout,
                                    drain_timeout_s=args.drain_timeout)
     return serve, connections
+
+
+def serve_config(args: argparse.Namespace, api_key: str | None):
+    """The ServeConfig of parsed options (runtime/serve_config.py)."""
+    from rbcompile.runtime.quality_loop import QualityLoopConfig
+    from rbcompile.runtime.serve_config import ServeConfig
+    from rbcompile.runtime.serve_policy import PolicyOptions
+
+    from .guard import _guard_from
+
+    return ServeConfig(api_key=api_key, limits=limits_from(args)[0], max_batch=args.max_batch,
+                       prefix_cache_mb=args.prefix_cache_mb,
+                       prefill_chunk=args.prefill_chunk or None,
+                       result_cache_mb=args.result_cache_mb,
+                       policy=PolicyOptions(args.policy, args.budget, args.slo_ms, args.policy_file),
+                       guard=_guard_from(args),
+                       quality_loop=QualityLoopConfig(check_every=args.quality_check_every))
