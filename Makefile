@@ -53,7 +53,7 @@ $(RAY_STAMP): pyproject.toml constraints.txt constraints-ray.txt
 	touch $(RAY_STAMP)
 
 test-ray: $(RAY_STAMP)
-	$(RAY_PY) -m pytest -q tests/test_ray_serve.py
+	$(RAY_PY) -m pytest -q tests/serving/test_ray_serve.py
 
 # The suite on the other stacks pip may give a user, on this CPU, before a GPU lease or a user
 # finds out: `make test-compat` (the oldest supported, the GPU machine's: torch 2.11,

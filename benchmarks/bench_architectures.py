@@ -3,7 +3,7 @@ decoders, perplexity of the full path, of the fixed-order (uncalibrated) plan, o
 plan and of static Block-Influence layer drop (ShortGPT) at the same budgets.
 
 Two kinds of rows:
-- tiny: the random tiny config of each type from tests/test_architectures.py (decoders made
+- tiny: the random tiny config of each type from tests/artifact/test_architectures.py (decoders made
   there with 4 layers, so the fixed order has middle layers to skip), saved with
   `save_pretrained` and the tests' word-level tokenizer. Random weights: these rows show the
   structure compiles, matches eager and that every plan runs; their perplexities (of an
@@ -23,10 +23,10 @@ costs seconds on shared cores.
 
 Parity: max |compiled - eager| over every output, fp32, on two batches with a left-padded row
 (random tokens for tiny models, real text for real ones). The fixed-order plan is
-rbcompile/plans.py's skip order applied to the calibrated artifact's regions (what an
+rbcompile/artifact/plans.py's skip order applied to the calibrated artifact's regions (what an
 uncalibrated artifact runs); the calibrated plan and Block-Influence drop come from the same
-calibration (rbcompile/calibrate.py, plans made for --budgets only: the greedy search stops at
-the largest); quality is rbcompile/curve.py's (rbcompile/quality.py).
+calibration (rbcompile/compiler/calibrate.py, plans made for --budgets only: the greedy search stops at
+the largest); quality is rbcompile/frontend/curve.py's (rbcompile/artifact/quality.py).
 Writes benchmarks/results/bench_architectures.json.
 
     python benchmarks/bench_architectures.py [--types llama,gemma3_text] [--no-real] [--no-tiny]
@@ -52,12 +52,12 @@ from conftest import TINY_VOCAB, random_batch, save_tiny_tokenizer, word_text  #
 from test_architectures import tiny_model  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.architectures import DECODER, REGISTRY, lookup  # noqa: E402
+from rbcompile.artifact.architectures import DECODER, REGISTRY, lookup  # noqa: E402
 from rbcompile.calibration_data import decoder_windows, load_texts  # noqa: E402
-from rbcompile.curve import load_eval_data, measure_quality, references, static_bi_gates  # noqa: E402
+from rbcompile.frontend.curve import load_eval_data, measure_quality, references, static_bi_gates  # noqa: E402
 from rbcompile.errors import UserError  # noqa: E402
-from rbcompile.models import cache_dir, convert_gguf, load_hf_model, resolve_checkpoint  # noqa: E402
-from rbcompile.plans import plan_for_budget  # noqa: E402
+from rbcompile.artifact.models import cache_dir, convert_gguf, load_hf_model, resolve_checkpoint  # noqa: E402
+from rbcompile.artifact.plans import plan_for_budget  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 TINY_LAYERS = 4

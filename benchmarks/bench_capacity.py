@@ -25,9 +25,9 @@ from bench_tidal import (NO_FALLBACK, closed_loop, full_references, midday_sampl
 from common import pin_threads, print_table, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.runtime.complexity import Tiers  # noqa: E402
-from rbcompile.runtime.policy import StaticPolicy  # noqa: E402
-from rbcompile.runtime.server import PRESETS, ServerConfig  # noqa: E402
+from rbcompile.runtime.control.complexity import Tiers  # noqa: E402
+from rbcompile.runtime.control.policy import StaticPolicy  # noqa: E402
+from rbcompile.runtime.control.server import PRESETS, ServerConfig  # noqa: E402
 
 DEFAULT_SETTINGS = "0:0:1:1,0:0:0:1,0.25:1:0:0,0.25:1:0:1,0.35:1:0:1,0.5:1:0:1"
 

@@ -12,7 +12,7 @@ the router's are the same samples). Answers: the completion's first word, normal
 when equal to the known answer.
 - greedy 1: one greedy answer per question.
 - fixed 3 / fixed 7: 3 / 7 samples drawn at once, all counted (no early stop).
-- router: `consistency="auto"` (rbcompile/consistency_router.py): a greedy row, whose prefill
+- router: `consistency="auto"` (runtime/engine/consistency_router.py): a greedy row, whose prefill
   the router reads to pick 1, 3 or 7 votes: the greedy answer, or it and 2 or 6 samples; all
   counted.
 - router + early stop: the same, with Adaptive-Consistency's stop (VoteOptions defaults:
@@ -43,11 +43,11 @@ from common import pin_threads, print_table, write_json  # noqa: E402
 from train_consistency_router import SEED, parse_setting  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.consistency import VoteOptions, normalise  # noqa: E402
-from rbcompile.vote_sampling import RoutedGroup, SampleGroup  # noqa: E402
-from rbcompile.consistency_router import find_router, label_tier, vote_of  # noqa: E402
-from rbcompile.prefix_cache import PrefixCache  # noqa: E402
-from rbcompile.sampling import SamplingConfig  # noqa: E402
+from rbcompile.runtime.engine.consistency import VoteOptions, normalise  # noqa: E402
+from rbcompile.runtime.engine.vote_sampling import RoutedGroup, SampleGroup  # noqa: E402
+from rbcompile.runtime.engine.consistency_router import find_router, label_tier, vote_of  # noqa: E402
+from rbcompile.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
+from rbcompile.runtime.engine.sampling import SamplingConfig  # noqa: E402
 
 RESAMPLES = 2000
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (interleaved_medians, load_with_eager, pin_threads, print_table,  # noqa: E402
                     text_windows, write_json)
 
-from rbcompile import quality  # noqa: E402
-from rbcompile.onnx_export import OnnxRunner, export_onnx, session_options  # noqa: E402
+from rbcompile.artifact import quality  # noqa: E402
+from rbcompile.frontend.onnx_export import OnnxRunner, export_onnx, session_options  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 SHAPES = {"encoder": (8, 64), "decoder": (2, 128)}   # batch x tokens timed per family

@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import pin_threads, print_table, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.engine import EngineRequest  # noqa: E402
-from rbcompile.models import load_hf_model, resolve_checkpoint  # noqa: E402
-from rbcompile.placement import parse_dtype  # noqa: E402
+from rbcompile.runtime.engine.core import EngineRequest  # noqa: E402
+from rbcompile.artifact.models import load_hf_model, resolve_checkpoint  # noqa: E402
+from rbcompile.artifact.placement import parse_dtype  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 SHARED = Path("/work/shared/data")

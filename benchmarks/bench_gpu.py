@@ -19,7 +19,7 @@ at a budget is reported as agreement with the full path, not as task quality):
 Contenders: `eager` (transformers), `inductor` (torch.compile; `--inductor-mode`), `inductor-ro` (mode reduce-overhead: inductor + CUDA graphs),
 `rbc-graphs` (the rbcompile artifact module, eager regions, one CUDA graph per plan and bucket),
 `rbc-ind-graphs` (the same with inductor-compiled regions), `rbc-plan-graphs` (one inductor
-graph per plan, rbcompile/plan_graphs.py), `rbc-masked-graphs` (`rbc-graphs` with every
+graph per plan, rbcompile/artifact/plan_graphs.py), `rbc-masked-graphs` (`rbc-graphs` with every
 attention reading its all-ones mask, as before passes/unpadded_attention.py),
 `rbc-k-graphs` / `rbc-k-noseams-graphs` (rbcompile's Triton kernels, with and without seams:
 the residual add fused into the next region's norm), `rbc-k-borrow-graphs` (`rbc-k-graphs`
@@ -30,7 +30,7 @@ for decoding `rbc-backend` (torch.compile(backend="rbcompile", options={"cuda_gr
 through plan graphs). `rbc-backend*` run rbcompile's Triton kernels on CUDA (the backend's
 default there). Times are medians of wall times synchronised around each run, after warm-up;
 the last timed run's output of every contender's full path is checked against eager in the same
-dtype (rbcompile/placement.py tolerances), budgets' against eager's top-1 (and their share of
+dtype (rbcompile/artifact/placement.py tolerances), budgets' against eager's top-1 (and their share of
 skipped FLOPs is recorded); the artifact rows record their CUDA graph counts (captures,
 replays, eager calls, memory fallbacks). The contenders the issue's targets need run first
 in every case (prefill: eager, inductor, inductor-ro, rbc-graphs, rbc-k-graphs,
@@ -269,7 +269,7 @@ class Case:
         self.save()
 
     def row(self, label, budget, ms, compile_s, out, reference):
-        from rbcompile.placement import within_tolerance
+        from rbcompile.artifact.placement import within_tolerance
 
         row = {"case": self.name, "contender": label, "budget": budget or 0.0, "ms": ms,
                "setup_s": compile_s}
@@ -325,7 +325,7 @@ def artifact_notes(compiled, graphs, skipped):
 
 def prefill_case(case: Case, model, batch, seq, args):
     import rbcompile
-    from rbcompile.guard import UNGUARDED
+    from rbcompile.artifact.guard import UNGUARDED
 
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(case.device)
@@ -385,7 +385,7 @@ def prefill_case(case: Case, model, batch, seq, args):
 
 
 def decode_case(case: Case, model, prompt, new, args):
-    from rbcompile import backend
+    from rbcompile.frontend import backend
 
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=generator).to(case.device)
@@ -423,7 +423,7 @@ def decode_case(case: Case, model, prompt, new, args):
     def artifact_generate(plans=False, stack=None):
         def setup():
             import rbcompile
-            from rbcompile.guard import UNGUARDED
+            from rbcompile.artifact.guard import UNGUARDED
 
             model.forward = forward  # trace the model itself, not a compiled forward
             compiled = rbcompile.compile(model, stack_projections=stack)  # None: on CUDA

@@ -1,4 +1,4 @@
-"""Attention over grouped K/V heads in its three exact forms (rbcompile/attention.py): K/V
+"""Attention over grouped K/V heads in its three exact forms (rbcompile/artifact/attention.py): K/V
 repeated per query head (transformers' `repeat_kv` copies, then SDPA), SDPA's own grouped heads
 (`enable_gqa=True`), and the group's queries folded onto their K/V head (`[B, KV*G, Q, D]` as
 `[B, KV, G*Q, D]`, the mask shared by the group; not for a causal call), and which form
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import pin_threads, print_table, write_json  # noqa: E402
 
-from rbcompile.attention import FORMS, form  # noqa: E402
+from rbcompile.artifact.attention import FORMS, form  # noqa: E402
 
 HEAD_DIM = 64
 SMOLLM2, LLAMA_1B = (9, 3), (32, 8)   # (query heads, K/V heads)

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import OpCounter, pin_threads, print_table, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.engine import EngineRequest  # noqa: E402
+from rbcompile.runtime.engine.core import EngineRequest  # noqa: E402
 from rbcompile.progress import say  # noqa: E402
 
 

@@ -19,8 +19,8 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
 from common import interleaved_medians, pin_threads, print_table, text_windows, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.guard import UNGUARDED  # noqa: E402
-from rbcompile.models import load_hf_model, resolve_checkpoint  # noqa: E402
+from rbcompile.artifact.guard import UNGUARDED  # noqa: E402
+from rbcompile.artifact.models import load_hf_model, resolve_checkpoint  # noqa: E402
 
 DEFAULT_SEQ = {"minilm-l6": 64, "smollm2-135m": 64}
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import (interleaved_medians, load_with_eager, pin_threads, print_table,  # noqa: E402
                     text_windows, write_json)
 
-from rbcompile import quality  # noqa: E402
+from rbcompile.artifact import quality  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 SHAPES = {"encoder": (8, 64), "decoder": (1, 128)}   # batch x tokens of the prefill, per family

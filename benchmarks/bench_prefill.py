@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import DATA, pin_threads, print_table, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.engine import EngineRequest  # noqa: E402
+from rbcompile.runtime.engine.core import EngineRequest  # noqa: E402
 
 CONTENDERS = {
     "burst": {"together (prefill_tokens 2048)": {"prefill_tokens": 2048},

@@ -77,8 +77,8 @@ from common import RESULTS, pin_threads, print_table, write_json  # noqa: E402
 import rbcompile  # noqa: E402
 from rbcompile.child import child_env  # noqa: E402
 from rbcompile.errors import UserError  # noqa: E402
-from rbcompile.models import load_hf_model, resolve_checkpoint  # noqa: E402
-from rbcompile.prefix_cache import PrefixCache  # noqa: E402
+from rbcompile.artifact.models import load_hf_model, resolve_checkpoint  # noqa: E402
+from rbcompile.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 BATCHED, UNBATCHED, HF = "rbcompile batched", "rbcompile unbatched", "HF generate sequential"
@@ -93,7 +93,7 @@ WARM_INDEX = 10_000             # the warm-up's continuation prompt: one no work
 # ---- servers ---------------------------------------------------------------------------------
 
 def serve_help() -> str:
-    done = subprocess.run([sys.executable, "-m", "rbcompile.cli", "serve", "--help"],
+    done = subprocess.run([sys.executable, "-m", "rbcompile.frontend.cli", "serve", "--help"],
                           capture_output=True, text=True, env=child_env())
     if done.returncode:
         raise SystemExit(f"`rbcompile serve --help` failed ({done.returncode}): "
@@ -121,7 +121,7 @@ def server(name: str, artifact: str, extra: list[str], threads: int, logs: Path,
     log = logs / f"server-{name.split()[-1]}.log"
     env = child_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                     HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "rbcompile.cli", "serve", artifact, "--port", str(port),
+    command = [sys.executable, "-m", "rbcompile.frontend.cli", "serve", artifact, "--port", str(port),
                *extra]
     say(f"  {name}: {' '.join(command[1:])} (log {log})")
     with open(log, "w") as out:

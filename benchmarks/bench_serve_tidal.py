@@ -50,7 +50,7 @@ from common import RESULTS, pin_threads, print_table, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
-from rbcompile.runtime.admission import QOS_CLASSES  # noqa: E402
+from rbcompile.runtime.control.admission import QOS_CLASSES  # noqa: E402
 
 QOS_SHARES = (0.3, 0.5, 0.2)
 SWING = 17.0

@@ -25,7 +25,8 @@ from common import interleaved_medians, pin_threads, print_table, text_windows, 
 
 def prefilled(compiled, input_ids: torch.Tensor):
     """A decode step's arguments after prefilling `input_ids` into a fresh cache."""
-    from rbcompile.kv_cache import step_inputs, zeros
+    from rbcompile.artifact.cache_pool import zeros
+    from rbcompile.runtime.engine.kv_cache import step_inputs
 
     decoder, shape = compiled.decoder, compiled.decoder.shape
     batch, tokens = input_ids.shape
@@ -41,7 +42,7 @@ def prefilled(compiled, input_ids: torch.Tensor):
 
 def main(argv=None):
     import rbcompile
-    from rbcompile.models import load_tokenizer, resolve_checkpoint
+    from rbcompile.artifact.models import load_tokenizer, resolve_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="bundled name or checkpoint")

@@ -43,11 +43,11 @@ from common import DATA, RESULTS, pin_threads, print_table, write_json  # noqa: 
 
 import rbcompile  # noqa: E402
 from rbcompile.calibration_data import load_labelled  # noqa: E402
-from rbcompile.runtime.complexity import Tiers  # noqa: E402
-from rbcompile.runtime.pid import PIDConfig  # noqa: E402
-from rbcompile.runtime.policy import GuardedPolicy, PIDPolicy, StaticPolicy  # noqa: E402
-from rbcompile.runtime.server import PRESETS, AdaptiveServer, Preset, ServerConfig  # noqa: E402
-from rbcompile.runtime.workload import hard_share, tidal_rate, tidal_trace  # noqa: E402
+from rbcompile.runtime.control.complexity import Tiers  # noqa: E402
+from rbcompile.runtime.control.pid import PIDConfig  # noqa: E402
+from rbcompile.runtime.control.policy import GuardedPolicy, PIDPolicy, StaticPolicy  # noqa: E402
+from rbcompile.runtime.control.server import PRESETS, AdaptiveServer, Preset, ServerConfig  # noqa: E402
+from rbcompile.runtime.control.workload import hard_share, tidal_rate, tidal_trace  # noqa: E402
 
 
 NO_FALLBACK = Preset(confidence_threshold=0.0, max_fallback_steps=0, cache_keep=1.0)
@@ -82,7 +82,7 @@ def workload(compiled, sources: list[str] | None, max_tokens: int, pool: int, se
 
 def split_easy_hard(compiled, items, hard_fraction: float = 0.4):
     """Hard = the top `hard_fraction` by the cheap complexity score (length, rare tokens)."""
-    from rbcompile.input_complexity import LengthRarityComplexity
+    from rbcompile.artifact.input_complexity import LengthRarityComplexity
     score = LengthRarityComplexity(compiled.vocab_size)
     scores = [float(score(i[None], torch.ones_like(i[None]))) for i in items]
     order = sorted(range(len(items)), key=lambda i: scores[i])
@@ -93,11 +93,11 @@ def split_easy_hard(compiled, items, hard_fraction: float = 0.4):
 def light_budget(compiled) -> float:
     """The largest plan budget whose held-out quality is within 1 point of the full path."""
     plans = compiled.plans
-    key = "accuracy" if "accuracy" in plans[0]["heldout"] else "top1_agreement" \
-        if "top1_agreement" in plans[0]["heldout"] else "cosine"
-    full = plans[0]["heldout"][key] if key != "top1_agreement" else 1.0
-    within = [p["budget"] for p in plans if full - p["heldout"][key] <= 0.01]
-    nonzero = [p["budget"] for p in plans if p["budget"] > 0]
+    key = "accuracy" if "accuracy" in plans[0].heldout else "top1_agreement" \
+        if "top1_agreement" in plans[0].heldout else "cosine"
+    full = plans[0].heldout[key] if key != "top1_agreement" else 1.0
+    within = [p.budget for p in plans if full - p.heldout[key] <= 0.01]
+    nonzero = [p.budget for p in plans if p.budget > 0]
     return max(within) if max(within) > 0 else min(nonzero)
 
 
@@ -169,8 +169,8 @@ def quality(compiled, records, references, labels) -> dict:
 
 def full_references(compiled, items, wanted) -> dict[int, dict]:
     """Full-path answers of the workload items in `wanted` (those the trace uses)."""
-    from rbcompile.runtime.executor import TieredExecutor, pad_batch
-    from rbcompile.runtime.policy import Decision
+    from rbcompile.runtime.control.executor import TieredExecutor, pad_batch
+    from rbcompile.runtime.control.policy import Decision
     executor = TieredExecutor(compiled, tiers=Tiers(0.0, 0.0))  # every row full: no exits
     order, refs = sorted(wanted), {}
     for i in range(0, len(order), 16):
@@ -313,7 +313,7 @@ def main() -> None:
     print(f"   full-path capacity {capacity:.1f} req/s; peak {peak:.1f} req/s, night "
           f"{peak / 17:.2f} req/s; SLO {1e3 * slo:.0f} ms; {len(trace)} requests; light budget "
           f"{light:.2f}", file=sys.stderr)
-    max_budget = max(p["budget"] for p in compiled.plans)
+    max_budget = max(p.budget for p in compiled.plans)
     static = dict(max_batch=args.max_batch, max_tokens=args.max_tokens, slo_s=slo,
                   early_exit=False, preset=NO_FALLBACK)
     contenders = {  # name -> (policy factory, server config)
@@ -325,7 +325,7 @@ def main() -> None:
                                   max_tier_shift=args.pid_tier_shift), config),
     }
     if args.ppo:
-        from rbcompile.runtime.ppo import PPOPolicy
+        from rbcompile.runtime.control.ppo import PPOPolicy
         contenders["ppo"] = (lambda: GuardedPolicy(PPOPolicy.load(args.ppo), StaticPolicy(0.0)),
                              config)
     wanted = [c for c in args.contenders.split(",") if c in contenders]

@@ -8,7 +8,7 @@ Both rbcompile rows call the generated module directly (no CUDA graphs, no budge
 difference is the attention's mask. A decoder also gets `prefill` rows: a generation's prefill
 and first token through the KV-cached decoder, from the first slot, with its mask or without
 (`unpadded_prefill`), and `engine` rows: each row a request's first token through the
-continuous-batching engine (rbcompile/engine.py), idle before them (prompts of one length,
+continuous-batching engine (runtime/engine/core.py), idle before them (prompts of one length,
 prefilled together; one over 512 tokens in chunks of 512, the first from the first slot), with
 or without the mask; both next to transformers' `generate` of one token. Medians of --rounds
 interleaved rounds (ABBA); parity: the largest absolute difference of the first output (logits /
@@ -56,7 +56,7 @@ def hf_first_token(eager, ids, mask):
 def prefill_contenders(compiled, eager, ids, mask) -> dict:
     """A generation's prefill and first token: the KV-cached decoder from the first slot, its
     mask given or left out (`unpadded_prefill`); eager is transformers' `generate`."""
-    from rbcompile.generation import generate
+    from rbcompile.runtime.engine.generation import generate
 
     def rbc(unpadded):
         return lambda: torch.tensor(generate(compiled.decoder, ids, mask, max_new_tokens=1,
@@ -69,7 +69,7 @@ def engine_contenders(compiled, eager, ids, mask) -> dict:
     """Each row a request's first token through the continuous-batching engine, idle before
     them, its prefills with their mask or without (`unpadded_prefill`); eager is transformers'
     `generate`."""
-    from rbcompile.engine import EngineRequest
+    from rbcompile.runtime.engine.core import EngineRequest
 
     def rbc(unpadded):
         engine = compiled.batch_engine(max_batch=len(ids), unpadded_prefill=unpadded)

@@ -25,11 +25,11 @@ def pin_threads(threads: int) -> None:
 
 def load_with_eager(name: str):
     """(CompiledModel, eager transformers model) of an artifact folder or a bundled name
-    (compiled here, without calibration). Every plan may run (rbcompile/guard.py): the
+    (compiled here, without calibration). Every plan may run (rbcompile/artifact/guard.py): the
     benchmarks time plans and measure their quality beside them."""
     import rbcompile
-    from rbcompile.guard import UNGUARDED
-    from rbcompile.models import load_hf_model, resolve_checkpoint
+    from rbcompile.artifact.guard import UNGUARDED
+    from rbcompile.artifact.models import load_hf_model, resolve_checkpoint
 
     if Path(name).is_dir():
         compiled = rbcompile.load(name)

@@ -12,7 +12,7 @@ is right on 20-80% of the questions (measured by benchmarks/bench_consistency.py
 
 A question is a sentence its answer completes ("The day after Friday is"), asked after a fixed
 few-shot prefix of such sentences, one a line (`CLOZE.prompt`); the answer is the first word of
-the completion (`CLOZE.extract`), normalised as rbcompile.consistency does.
+the completion (`CLOZE.extract`), normalised as runtime/engine/consistency.py does.
 
 `CHAIN` is a second, generated-only set (`load(split, CHAIN)`, 200 questions, the same seed and
 split rule) whose answers take a short reasoning chain: a sum of three numbers, a product minus

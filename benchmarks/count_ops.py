@@ -31,7 +31,8 @@ def decode_step_ops(layers: int, kernels: bool, stack: bool) -> collections.Coun
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import rbcompile
-    from rbcompile.kv_cache import step_inputs, zeros
+    from rbcompile.artifact.cache_pool import zeros
+    from rbcompile.runtime.engine.kv_cache import step_inputs
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,

@@ -4,7 +4,7 @@
 # 1. native kernel tests (tests/test_kernels.py with TRITON_INTERPRET=0, on CUDA tensors);
 # 2. kernel benchmark (benchmarks/bench_kernels.py: reference, torch.compile'd reference, Triton);
 # 3. grouped-head attention (benchmarks/bench_gqa.py, bf16: repeat_kv copies, enable_gqa and
-#    folded queries, and the form rbcompile/attention.py takes on CUDA: folded for decode and
+#    folded queries, and the form rbcompile/artifact/attention.py takes on CUDA: folded for decode and
 #    verify steps, copies elsewhere; with a mask, and causal without one, where flash attention
 #    takes grouped heads: whether the runtime should take enable_gqa there);
 # 4. end-to-end benchmark (benchmarks/bench_gpu.py: BERT-base fp16, SmolLM2-sized Llama bf16
@@ -40,7 +40,7 @@ if ! "$PY" -c 'import rbcompile.kernels' 2>/dev/null; then
     for sub in passes kernels runtime; do cp -r "$sub" "$SITE/rbcompile/$sub"; done
     mkdir -p "$SITE/rbcompile-0.1.0.dist-info"
     printf 'Metadata-Version: 2.1\nName: rbcompile\nVersion: 0.1.0\n' > "$SITE/rbcompile-0.1.0.dist-info/METADATA"
-    printf '[torch_dynamo_backends]\nrbcompile = rbcompile.backend:rbcompile_backend\n' \
+    printf '[torch_dynamo_backends]\nrbcompile = rbcompile.frontend.backend:rbcompile_backend\n' \
         > "$SITE/rbcompile-0.1.0.dist-info/entry_points.txt"
     # PYTHONSAFEPATH: the checkout's own rbcompile/ (not laid out as installed) must not shadow it
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONSAFEPATH=1

@@ -1,5 +1,5 @@
 """What a change of precision costs a decoder, in the quality guard's unit (quality.quality_loss):
-the measure behind the default `--max-quality-loss` (rbcompile/guard.py).
+the measure behind the default `--max-quality-loss` (rbcompile/artifact/guard.py).
 
 The Hugging Face model in fp32 is the reference; bf16 and fp16 copies of it run the same
 held-out windows (the bundled Tempest excerpt, which calibration does not see) and are scored as
@@ -18,10 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import pin_threads, print_table, write_json  # noqa: E402
 
-from rbcompile import quality  # noqa: E402
+from rbcompile.artifact import quality  # noqa: E402
 from rbcompile.calibration_data import decoder_windows, load_texts  # noqa: E402
-from rbcompile.curve import DEFAULT_EVAL  # noqa: E402
-from rbcompile.models import load_hf_model, load_tokenizer, resolve_checkpoint  # noqa: E402
+from rbcompile.frontend.curve import DEFAULT_EVAL  # noqa: E402
+from rbcompile.artifact.models import load_hf_model, load_tokenizer, resolve_checkpoint  # noqa: E402
 
 
 def scored(model, batches, references) -> dict:

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from rbcompile.models import cache_dir, resolve_checkpoint
-from rbcompile.quality import mean_pool
+from rbcompile.artifact.models import cache_dir, resolve_checkpoint
+from rbcompile.artifact.quality import mean_pool
 
 SENTENCES_CSV = "polarity-en-pang&lee2.csv"   # 4,000 labelled MR sentences
 REVIEWS_CSV = "polarity-en-pang&lee1.csv"     # 1,500 labelled full reviews, one sentence a line

@@ -26,7 +26,7 @@ from common import pin_threads, print_table, write_json  # noqa: E402
 from train_consistency_router import SAMPLES, labels, vote_of  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.consistency import tally  # noqa: E402
+from rbcompile.runtime.engine.consistency import tally  # noqa: E402
 
 
 def accuracies(labelled: list[dict]) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Train the complexity router of `consistency="auto"` for a decoder artifact (issue 17).
 
 Each router-training question of benchmarks/data/consistency-questions.jsonl is answered
-greedily (its prefill's logits give the router's features, rbcompile/consistency_router.py)
+greedily (its prefill's logits give the router's features, runtime/engine/consistency_router.py)
 and by 7 samples (seeds SEED..SEED+6, one shared prefill), every question in one continuous
 batch. The label (`label_tier`) is the fewest votes whose answer is right, the vote being the
 greedy answer plus 2 or 6 samples as `consistency="auto"` counts it: 1 when the greedy answer is
@@ -34,11 +34,11 @@ import consistency_questions as questions  # noqa: E402
 from common import RESULTS, pin_threads, print_table  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.consistency import VoteOptions, normalise  # noqa: E402
-from rbcompile.vote_sampling import RoutedGroup, SampleGroup  # noqa: E402
-from rbcompile.consistency_router import TIERS, label_tier, train_router, vote_of  # noqa: E402
-from rbcompile.prefix_cache import PrefixCache  # noqa: E402
-from rbcompile.sampling import SamplingConfig  # noqa: E402
+from rbcompile.runtime.engine.consistency import VoteOptions, normalise  # noqa: E402
+from rbcompile.runtime.engine.vote_sampling import RoutedGroup, SampleGroup  # noqa: E402
+from rbcompile.runtime.engine.consistency_router import TIERS, label_tier, train_router, vote_of  # noqa: E402
+from rbcompile.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
+from rbcompile.runtime.engine.sampling import SamplingConfig  # noqa: E402
 
 SEED = 1000
 SETTING = "0.3"         # temperature[:kTOP_K][:pTOP_P] of the samples (chosen by the sweep)

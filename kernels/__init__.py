@@ -2,8 +2,17 @@
 package registers them as `torch.ops.rbcompile.*` (see registry.py)."""
 import torch
 
-from . import gated_residual, gelu, layer_norm, rms_norm, rotary, rotary_write_kv, swiglu, write_kv
-from .registry import REFERENCES
+from rbcompile.kernels import (
+           gated_residual,
+           gelu,
+           layer_norm,
+           rms_norm,
+           rotary,
+           rotary_write_kv,
+           swiglu,
+           write_kv,
+)
+from rbcompile.kernels.registry import REFERENCES
 
 OPS = torch.ops.rbcompile  # the registered kernels: OPS.rms_norm.default, ...
 

@@ -27,7 +27,7 @@ candidates through the real launchers, the tests run the GPU configs in the inte
 """
 import contextlib
 
-from ._triton import interpreting
+from rbcompile.kernels._triton import interpreting
 
 NORMS = ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")
 ELEMENTWISE = ("swiglu", "gelu_bias", "gated_residual")

@@ -9,9 +9,9 @@ gate of 1 returns `h + f` rounded as the reference's add.
 """
 import torch
 
-from ._triton import cast, interpreting, rows, tile_offsets, tl, triton
-from .configs import tiles
-from .registry import kernel_op
+from rbcompile.kernels._triton import cast, interpreting, rows, tile_offsets, tl, triton
+from rbcompile.kernels.configs import tiles
+from rbcompile.kernels.registry import kernel_op
 
 
 def gated_residual_reference(h: torch.Tensor, f: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-from ._triton import cast, interpreting, rows, tile_offsets, tl, triton, vector
-from .configs import tiles
-from .registry import kernel_op
+from rbcompile.kernels._triton import cast, interpreting, rows, tile_offsets, tl, triton, vector
+from rbcompile.kernels.configs import tiles
+from rbcompile.kernels.registry import kernel_op
 
 
 def gelu_bias_reference(x: torch.Tensor, bias: Optional[torch.Tensor],

@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-from ._triton import cast, interpreting, norm_buffers, tl, triton, vector
-from .configs import blocks
-from .registry import kernel_op
+from rbcompile.kernels._triton import cast, interpreting, norm_buffers, tl, triton, vector
+from rbcompile.kernels.configs import blocks
+from rbcompile.kernels.registry import kernel_op
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,9 +20,9 @@ over both; else it takes the reference, `rotary` of each.
 """
 import torch
 
-from ._triton import cast, head_rows, interpreting, tile_offsets, tl, triton
-from .configs import tiles
-from .registry import kernel_op
+from rbcompile.kernels._triton import cast, head_rows, interpreting, tile_offsets, tl, triton
+from rbcompile.kernels.configs import tiles
+from rbcompile.kernels.registry import kernel_op
 
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,10 @@ have the key cache's dtype), this takes both references.
 """
 import torch
 
-from ._triton import interpreting, tl, triton
-from .registry import kernel_op
-from .rotary import pair_applies, pair_launch, rotary_pair_reference, rotated_like
-from .write_kv import write_kv_reference, writes_apply
+from rbcompile.kernels._triton import interpreting, tl, triton
+from rbcompile.kernels.registry import kernel_op
+from rbcompile.kernels.rotary import pair_applies, pair_launch, rotary_pair_reference, rotated_like
+from rbcompile.kernels.write_kv import write_kv_reference, writes_apply
 
 
 def rotary_write_kv_reference(key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -31,8 +31,8 @@ def rotary_write_kv_reference(key_cache: torch.Tensor, value_cache: torch.Tensor
 
 
 if triton is not None:
-    from .rotary import rotate_tile
-    from .write_kv import copy_tile_to_slots
+    from rbcompile.kernels.rotary import rotate_tile
+    from rbcompile.kernels.write_kv import copy_tile_to_slots
 
     @triton.jit(do_not_specialize=["q_rows", "kv_rows", "q_heads", "kv_heads", "tokens"])
     def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr,

@@ -8,9 +8,9 @@ apart in bf16 / fp16).
 """
 import torch
 
-from ._triton import cast, interpreting, rows, tile_offsets, tl, triton
-from .configs import tiles
-from .registry import kernel_op
+from rbcompile.kernels._triton import cast, interpreting, rows, tile_offsets, tl, triton
+from rbcompile.kernels.configs import tiles
+from rbcompile.kernels.registry import kernel_op
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ reference.
 """
 import torch
 
-from ._triton import head_rows, tile_offsets, tl, triton
-from .configs import tiles
-from .registry import kernel_op
+from rbcompile.kernels._triton import head_rows, tile_offsets, tl, triton
+from rbcompile.kernels.configs import tiles
+from rbcompile.kernels.registry import kernel_op
 
 
 def write_kv_reference(key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -14,22 +14,22 @@ from pathlib import Path
 
 from torch.fx import GraphModule
 
-from .annotate_dependencies import annotate_dependencies
-from .annotate_flops import annotate_flops
-from .base import PassContext, PassReport, check_facts
-from .canonicalize import canonicalize
-from .discover_blocks import discover_blocks
-from .form_regions import form_regions
-from .fuse_kernels import fuse_kernels
-from .fuse_projections import fuse_projections
-from .gqa_attention import gqa_attention
-from .mark_cache_reuse import mark_cache_reuse
-from .mark_prunable import mark_prunable
-from .mark_seams import mark_seams
-from .mark_skeleton import mark_skeleton
-from .share_attention_masks import share_attention_masks
-from .unpadded_attention import unpadded_attention
-from .permute_width import permute_width
+from rbcompile.passes.annotate_dependencies import annotate_dependencies
+from rbcompile.passes.annotate_flops import annotate_flops
+from rbcompile.passes.base import PassContext, PassReport, check_facts
+from rbcompile.passes.canonicalize import canonicalize
+from rbcompile.passes.discover_blocks import discover_blocks
+from rbcompile.passes.form_regions import form_regions
+from rbcompile.passes.fuse_kernels import fuse_kernels
+from rbcompile.passes.fuse_projections import fuse_projections
+from rbcompile.passes.gqa_attention import gqa_attention
+from rbcompile.passes.mark_cache_reuse import mark_cache_reuse
+from rbcompile.passes.mark_prunable import mark_prunable
+from rbcompile.passes.mark_seams import mark_seams
+from rbcompile.passes.mark_skeleton import mark_skeleton
+from rbcompile.passes.permute_width import permute_width
+from rbcompile.passes.share_attention_masks import share_attention_masks
+from rbcompile.passes.unpadded_attention import unpadded_attention
 
 logger = logging.getLogger("rbcompile.passes")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import DEPS, PassContext, PassReport, compute_nodes, graph_pass
+from rbcompile.passes.base import DEPS, PassContext, PassReport, compute_nodes, graph_pass
 
 aten = torch.ops.aten
 _SIZE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,

@@ -10,7 +10,7 @@ import torch
 from torch.fx import GraphModule, Interpreter
 from torch.utils.flop_counter import FlopCounterMode
 
-from .base import FLOPS, SHAPE, PassContext, PassReport, compute_nodes, graph_pass
+from rbcompile.passes.base import FLOPS, SHAPE, PassContext, PassReport, compute_nodes, graph_pass
 
 REFERENCE_SEQ = 128
 

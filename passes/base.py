@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from ..architectures import Architecture, Dimensions
+from rbcompile.artifact.architectures import Architecture, Dimensions
 
 # node.meta keys written by the passes
 DEPS = "rb_deps"          # frozenset of {"data", "mask", "shape"}: what the value depends on

@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import PassContext, PassReport, graph_pass, module_path, writes_input
+from rbcompile.passes.base import PassContext, PassReport, graph_pass, module_path, writes_input
 
 aten = torch.ops.aten
 

@@ -23,9 +23,23 @@ from collections import Counter, defaultdict
 import torch
 from torch.fx import GraphModule, Node
 
-from ..errors import CompileError
-from .base import (BLOCK, DEPS, FLOPS, Block, Branch, PassContext, PassReport, compute_nodes,
-                   graph_pass, is_add, is_scalar, module_path, module_stack, writes_input)
+from rbcompile.errors import CompileError
+from rbcompile.passes.base import (
+    BLOCK,
+    DEPS,
+    FLOPS,
+    Block,
+    Branch,
+    PassContext,
+    PassReport,
+    compute_nodes,
+    graph_pass,
+    is_add,
+    is_scalar,
+    module_path,
+    module_stack,
+    writes_input,
+)
 
 _NUMBERED = re.compile(r"(.+)\.(\d+)")
 

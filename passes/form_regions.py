@@ -13,9 +13,18 @@ from collections import Counter
 
 from torch.fx import GraphModule, Node
 
-from ..errors import CompileError
-from .base import (FLOPS, KIND, REGION, UNIT, PassContext, PassReport, graph_pass, is_scalar,
-                   module_path)
+from rbcompile.errors import CompileError
+from rbcompile.passes.base import (
+    FLOPS,
+    KIND,
+    REGION,
+    UNIT,
+    PassContext,
+    PassReport,
+    graph_pass,
+    is_scalar,
+    module_path,
+)
 
 
 def _priority(node: Node) -> int:

@@ -33,8 +33,8 @@ from collections import Counter
 import torch
 from torch.fx import GraphModule, Node
 
-from ..kernels import OPS as ops
-from .base import REGION, PassContext, PassReport, graph_pass, tensor_val
+from rbcompile.kernels import OPS as ops
+from rbcompile.passes.base import REGION, PassContext, PassReport, graph_pass, tensor_val
 
 aten = torch.ops.aten
 _CASTS = {aten.to.dtype, aten._to_copy.default}

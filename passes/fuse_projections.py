@@ -6,7 +6,7 @@ runs seven. Projections of one input are one matmul against their weights stacke
 last dimension of the stacked output (a view), read where the projection's output was read.
 
 The stacked weight is not a second copy: the pass records it in `ctx.concatenated` (stacked
-key -> the keys of its parts), and `rbcompile.module.attach_weights` stacks the parts once when
+key -> the keys of its parts), and `rbcompile.artifact.module.attach_weights` stacks the parts once when
 weights are attached and makes each part a view of the stack, for every module that reads it.
 So the stack always holds the weights the parts hold (permuted ones included), an artifact
 stores the parts as before, and narrower width variants read views of the parts. Runs only
@@ -29,7 +29,15 @@ from collections import Counter, defaultdict
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import FLOPS, REGION, SHAPE, PassContext, PassReport, graph_pass, tensor_val
+from rbcompile.passes.base import (
+    FLOPS,
+    REGION,
+    SHAPE,
+    PassContext,
+    PassReport,
+    graph_pass,
+    tensor_val,
+)
 
 aten = torch.ops.aten
 _LINEAR = aten.linear.default

@@ -6,7 +6,7 @@ keys or values through transformers' `repeat_kv` (`unsqueeze(x, 2) -> expand -> 
 which copies the whole K/V, the entire cache in a decode step, for every layer and call); such
 an attention reads `x` itself with `enable_gqa=True`, which computes the same values (each
 query head attends to its group's key / value head). The generated module runs every such
-attention through rbcompile/attention.py `grouped_attention`, which picks the form per call
+attention through rbcompile/artifact/attention.py `grouped_attention`, which picks the form per call
 and device: SDPA's own grouped heads (CPU: 1.07-3.4x faster than the copies and the attention
 after them, benchmarks/bench_gqa.py), the group's queries folded onto their K/V head (a decode
 step with its mask, CUDA and 16-bit CPU), or, on CUDA where folding does not pay, the copies
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import PassContext, PassReport, erase_unused, graph_pass
+from rbcompile.passes.base import PassContext, PassReport, erase_unused, graph_pass
 
 aten = torch.ops.aten
 _RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}

@@ -10,9 +10,18 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from ..architectures import DECODER, all_kv_projections
-from .base import (DEPS, KIND, PassContext, PassReport, compute_nodes, graph_pass, is_scalar,
-                   is_tensor, writes_input)
+from rbcompile.artifact.architectures import DECODER, all_kv_projections
+from rbcompile.passes.base import (
+    DEPS,
+    KIND,
+    PassContext,
+    PassReport,
+    compute_nodes,
+    graph_pass,
+    is_scalar,
+    is_tensor,
+    writes_input,
+)
 
 
 def _cacheable(node: Node) -> bool:

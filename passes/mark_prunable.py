@@ -12,10 +12,17 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from ..architectures import Dimensions
-
-from .base import (KIND, UNIT, PassContext, PassReport, Unit, compute_nodes, graph_pass,
-                   module_path)
+from rbcompile.artifact.architectures import Dimensions
+from rbcompile.passes.base import (
+    KIND,
+    UNIT,
+    PassContext,
+    PassReport,
+    Unit,
+    compute_nodes,
+    graph_pass,
+    module_path,
+)
 
 aten = torch.ops.aten
 _ATTENTION = {aten.scaled_dot_product_attention.default, aten._softmax.default,

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from ..ir import ADD_NORMS, op_name
-from .base import REGION, PassContext, PassReport, graph_pass
+from rbcompile.artifact.ir import ADD_NORMS, op_name
+from rbcompile.passes.base import REGION, PassContext, PassReport, graph_pass
 
 aten = torch.ops.aten
 

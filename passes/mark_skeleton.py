@@ -11,7 +11,15 @@ from collections import Counter
 
 from torch.fx import GraphModule
 
-from .base import BLOCK, KIND, PassContext, PassReport, compute_nodes, graph_pass, module_path
+from rbcompile.passes.base import (
+    BLOCK,
+    KIND,
+    PassContext,
+    PassReport,
+    compute_nodes,
+    graph_pass,
+    module_path,
+)
 
 
 @graph_pass(requires=("ctx:blocks", "meta:rb_block"), ensures=("meta:" + KIND,))

@@ -14,9 +14,10 @@ import operator
 import torch
 from torch.fx import GraphModule
 
-from ..architectures import CHANNELS, KV_HEADS, QUERY_HEADS
-from ..errors import CompileError
-from .base import PassContext, PassReport, graph_pass
+from rbcompile.artifact.architectures import CHANNELS, KV_HEADS, QUERY_HEADS
+from rbcompile.errors import CompileError
+from rbcompile.passes.base import PassContext, PassReport, graph_pass
+
 
 def head_orders(scores: list[float], kv_heads: int) -> tuple[list[int], list[int]]:
     """(query head order, key/value head order): KV groups by summed score, descending, each

@@ -27,8 +27,15 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
-from .base import (PassContext, PassReport, erase_unused, graph_pass, module_path, structure,
-                   tensor_val)
+from rbcompile.passes.base import (
+    PassContext,
+    PassReport,
+    erase_unused,
+    graph_pass,
+    module_path,
+    structure,
+    tensor_val,
+)
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default

@@ -12,7 +12,7 @@ transformers makes the same choice in eager mode (`padding_mask.all()`); a trace
 that is a property of the values.
 
 This pass finds such masks and lets the generated module choose per call: a forward given the
-mask input as None (rbcompile/regions.py `Unpadded`: the artifact passes None when its
+mask input as None (rbcompile/artifact/regions.py `Unpadded`: the artifact passes None when its
 `attention_mask` is all ones) fills that input with ones, so every other reader sees what it
 did, and drops the mask after the region that makes it; each attention reading it after that
 region then runs with `is_causal = (mask is None)` (a decoder's) or no mask (an encoder's). A
@@ -39,7 +39,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from .base import FLOPS, REGION, PassContext, PassReport, graph_pass, tensor_val
+from rbcompile.passes.base import FLOPS, REGION, PassContext, PassReport, graph_pass, tensor_val
 
 aten = torch.ops.aten
 _ATTENTION = aten.scaled_dot_product_attention.default

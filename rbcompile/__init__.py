@@ -13,13 +13,13 @@ import importlib
 
 __version__ = "0.1.0"
 
-from .errors import CompileError, UserError  # noqa: E402
+from rbcompile.errors import CompileError, UserError  # noqa: E402
 
-_LAZY = {"CompiledModel": ("compiled", "CompiledModel"),
-         "CompiledOutput": ("compiled", "CompiledOutput"),
-         "load": ("loading", "load"),
-         "QualityGuard": ("guard", "QualityGuard"),
-         "compile": ("compiler", "compile_model")}
+_LAZY = {"CompiledModel": ("artifact.compiled", "CompiledModel"),
+         "CompiledOutput": ("artifact.compiled", "CompiledOutput"),
+         "load": ("runtime.engine.model", "load"),
+         "QualityGuard": ("artifact.guard", "QualityGuard"),
+         "compile": ("compiler.driver", "compile_model")}
 
 __all__ = ["CompileError", "CompiledModel", "CompiledOutput", "QualityGuard", "UserError",
            "compile", "load", "__version__"]

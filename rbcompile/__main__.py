@@ -1,3 +1,3 @@
-from .cli import entry
+from rbcompile.frontend.cli import entry
 
 entry()

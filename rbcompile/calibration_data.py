@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError, check_unicode
+from rbcompile.errors import UserError, check_unicode
 
 DEFAULT_SOURCE = "default"
-DEFAULT_CORPUS = Path(__file__).parent / "data" / "calibration-emma.txt"
+DATA = Path(__file__).parent / "data"   # the texts and files rbcompile ships
+DEFAULT_CORPUS = DATA / "calibration-emma.txt"
 
 
 def load_texts(source: str | Path) -> list[str]:

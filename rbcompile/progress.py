@@ -3,6 +3,7 @@ import sys
 import time
 from contextlib import contextmanager
 
+
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 

@@ -1,1 +1,1 @@
-"""The runtime that drives compiled modules: caches, complexity estimation and budget plans."""
+"""The run side: the decoding engine (engine/), serving (serving/) and control (control/)."""

@@ -24,9 +24,9 @@ TINY_VOCAB = 96
 
 
 def unguarded(compiled):
-    """`compiled` with every plan allowed (rbcompile/guard.py): the tiny random models' plans
+    """`compiled` with every plan allowed (rbcompile/artifact/guard.py): the tiny random models' plans
     are unmeasured or cost most of their quality, and the tests of skipping need them to run."""
-    from rbcompile.guard import UNGUARDED
+    from rbcompile.artifact.guard import UNGUARDED
 
     compiled.guard = UNGUARDED
     return compiled
@@ -107,7 +107,7 @@ def fused_tiny():
 def compiled_tiny(tiny_checkpoints):
     """arch -> (CompiledModel, eager transformers model) for the tiny checkpoints."""
     import rbcompile
-    from rbcompile.models import load_hf_model
+    from rbcompile.artifact.models import load_hf_model
 
     return {arch: (unguarded(rbcompile.compile(path)), load_hf_model(path))
             for arch, path in tiny_checkpoints.items()}
@@ -138,9 +138,10 @@ def max_diff(compiled_out: dict, reference: dict) -> float:
 @pytest.fixture(scope="session")
 def minilm():
     """(CompiledModel, eager model, tokenizer) for the real all-MiniLM-L6-v2 weights."""
-    import rbcompile
-    from rbcompile.models import load_hf_model, resolve_checkpoint
     from transformers import AutoTokenizer
+
+    import rbcompile
+    from rbcompile.artifact.models import load_hf_model, resolve_checkpoint
 
     path = resolve_checkpoint("minilm-l6")
     return (unguarded(rbcompile.compile("minilm-l6")), load_hf_model(path),
@@ -180,8 +181,9 @@ def labelled_words(path, lines: int = 100) -> None:
 @pytest.fixture(scope="session")
 def task_bert(tiny_checkpoints, tmp_path_factory):
     """Tiny BERT calibrated on a random 2-class task head: plans plus early-exit off-ramps."""
-    import rbcompile
     from safetensors.torch import save_file
+
+    import rbcompile
 
     folder = tmp_path_factory.mktemp("task")
     torch.manual_seed(0)
@@ -209,7 +211,7 @@ def text_streamed_through_sigterm(response, process) -> str:
 def served_by_cli(monkeypatch) -> dict:
     """Stand in for the HTTP server of `rbcompile serve`: what the CLI would serve (app,
     bound socket, connection limits) lands in the returned dict, and nothing listens."""
-    from rbcompile.runtime import connections
+    from rbcompile.runtime.serving import connections
 
     served = {}
 

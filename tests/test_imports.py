@@ -1,6 +1,6 @@
-"""The house rules of issue 44 that hold so far, read from the source (ast): no import cycle
-between files (imports inside functions count), no file over 500 lines and no function over
-80 in the package."""
+"""The house rules of issue 44, read from the source (ast): imports go one way between the
+rooms (docs/architecture.md), no import cycle between files (imports inside functions count),
+no file over 500 lines and no function over 80 in the package."""
 import ast
 from collections import defaultdict
 from pathlib import Path
@@ -38,12 +38,35 @@ def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
             candidates = [alias.name for alias in node.names]
         else:
             continue
+        if any(candidate in known for candidate in candidates[1:]):
+            candidates = candidates[1:]   # `from package import module`: the modules only
         for candidate in candidates:
             while candidate and candidate not in known:
                 candidate = candidate.rpartition(".")[0]
             if candidate and candidate != name:
                 targets.add(candidate)
     return targets
+
+
+# The rooms, lowest first: a module may import its own room and the rooms before it. The
+# package root holds `__version__` and the API's lazy names (importing it loads no room).
+ROOMS = (("shared", ("rbcompile", "rbcompile.errors", "rbcompile.progress", "rbcompile.child",
+                     "rbcompile.calibration_data", "rbcompile.kernels")),
+         ("artifact", ("rbcompile.artifact",)),
+         ("engine", ("rbcompile.runtime.engine",)),
+         ("control", ("rbcompile.runtime.control",)),
+         ("serving", ("rbcompile.runtime", "rbcompile.runtime.serving")),
+         ("passes", ("rbcompile.passes",)),
+         ("compiler", ("rbcompile.compiler",)),
+         ("frontend", ("rbcompile.frontend", "rbcompile.__main__")))
+
+
+def room(module: str) -> int:
+    """The rank of `module`'s room: the longest prefix that names one."""
+    matches = [(len(prefix), rank) for rank, (_, prefixes) in enumerate(ROOMS)
+               for prefix in prefixes if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no room"
+    return max(matches)[1]
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -81,6 +104,22 @@ def test_no_import_cycle_between_files():
     known = modules()
     edges = defaultdict(set, {name: imported(name, path, known) for name, path in known.items()})
     assert cycles(edges) == []
+
+
+def test_imports_go_one_way_between_rooms():
+    known = modules()
+    backwards = [f"{name} -> {target} ({ROOMS[room(name)][0]} -> {ROOMS[room(target)][0]})"
+                 for name, path in known.items() for target in imported(name, path, known)
+                 if room(target) > room(name)]
+    assert backwards == []
+
+
+def test_a_backwards_import_is_found(tmp_path):
+    artifact = tmp_path / "compiled.py"
+    artifact.write_text("from rbcompile.runtime.engine.core import BatchEngine\n")
+    known = {"rbcompile.artifact.compiled": artifact, "rbcompile.runtime.engine.core": artifact}
+    target, = imported("rbcompile.artifact.compiled", artifact, known)
+    assert room(target) > room("rbcompile.artifact.compiled")
 
 
 def test_the_cycle_finder_finds_one():

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT
 from rbcompile.child import child_env
+
+from conftest import ROOT
 
 FIND_KERNELS = ("import importlib.util as u; s = u.find_spec('kernels'); "
                 "print(s.origin if s else None)")

@@ -1,4 +1,0 @@
-"""`python -m rbcompile.cli`."""
-from . import entry
-
-entry()

@@ -1,0 +1,4 @@
+"""`python -m rbcompile.frontend.cli`."""
+from rbcompile.frontend.cli import entry
+
+entry()

@@ -1,0 +1,85 @@
+"""The quality guard as the commands set it and say what it did."""
+from __future__ import annotations
+
+import sys
+
+# Deferred on purpose: the commands import the rest of rbcompile (and torch) when they run,
+# so the CLI starts, and handles Ctrl-C, before torch loads (see __init__._import_heavy).
+
+
+def _quality_guard(args, model) -> None:
+    """`model.guard` from --max-quality-loss and --allow-unmeasured-plans; the guard speaks
+    through the command's own lines, not Python warnings. One warning line when unmeasured
+    plans may run; `serve` also says which lossy budgets its guard leaves."""
+    import warnings
+
+    from rbcompile.artifact.compiled import QualityGuardWarning
+
+    model.guard = _guard_from(args)
+    warnings.filterwarnings("ignore", category=QualityGuardWarning)
+    lossy, unmeasured = _lossy_plans(model), _unmeasured_plans(model)
+    if args.allow_unmeasured_plans and (unmeasured or not lossy):
+        what = f"{unmeasured} of its plans" if lossy else "every lossy budget (uncalibrated)"
+        print(f"rbcompile: warning: --allow-unmeasured-plans: {what} may run with no measured "
+              "quality cost", file=sys.stderr)
+
+
+def _lossy_plans(model) -> list:
+    return [plan for plan in model.plans or [] if plan.budget > 0]
+
+
+def _unmeasured_plans(model) -> int:
+    """How many of the stored lossy plans have no measured loss where the model serves."""
+    from rbcompile.artifact.guard import DECODER, FORWARD
+
+    path = DECODER if model.decoder is not None else FORWARD
+    return sum(plan.loss(path) is None for plan in _lossy_plans(model))
+
+
+def _guard_from(args):
+    """The QualityGuard of --max-quality-loss and --allow-unmeasured-plans."""
+    from rbcompile.artifact.guard import QualityGuard
+    from rbcompile.errors import UserError
+
+    if not args.max_quality_loss >= 0:
+        raise UserError(f"--max-quality-loss must be >= 0, got {args.max_quality_loss}")
+    return QualityGuard(args.max_quality_loss, args.allow_unmeasured_plans)
+
+
+def _guard_leaves(model) -> str:
+    """What a serving guard leaves the controller: the budgets it allows that skip work."""
+    lossy, unmeasured = _lossy_plans(model), _unmeasured_plans(model)
+    allowed = _serving_budgets(model)
+    if allowed and not lossy:
+        return "any lossy budget (unmeasured)"
+    if allowed:
+        return f"lossy budgets {', '.join(f'{b:g}' for b in allowed)}"
+    if not lossy:
+        return "no lossy plan (uncalibrated: none is measured): the full path only"
+    measured = len(lossy) - unmeasured
+    return (f"no lossy plan ({measured} measured: over it or skipping nothing in the decoder, "
+            f"{unmeasured} unmeasured): the full path only")
+
+
+def _serving_budgets(model) -> list[float]:
+    """The budgets > 0 the guard lets a controller set that skip some work where it runs (a
+    decoder's plan that only narrows runs the whole KV-cached decoder)."""
+    from rbcompile.artifact.guard import DECODER, FORWARD, lossy_budgets
+
+    if model.decoder is None:
+        return lossy_budgets(model.plans, model.guard, FORWARD)
+    return [budget for budget in lossy_budgets(model.plans, model.guard, DECODER)
+            if not all(model.decoder_gates(min(budget, 1.0)) or [True])]
+
+
+def _plan_line(model, budget, path: str) -> str:
+    """What `budget` ran under the guard, with the flag that would change it."""
+    from rbcompile.artifact.guard import UNMEASURED
+
+    plan = model.guarded(budget, path)
+    hint = ""
+    if plan.withheld == UNMEASURED:
+        hint = " (compile with --calib to measure plans, or --allow-unmeasured-plans)"
+    elif plan.withheld is not None:
+        hint = f" (--max-quality-loss {model.guard.max_quality_loss:g}; raise it to allow more)"
+    return plan.describe() + hint

@@ -1,0 +1,114 @@
+"""The run side's model: an artifact (`CompiledModel`) that decodes with the engine. What
+`rbcompile.load` and `rbcompile.compile` return; the artifact itself knows no engine."""
+from __future__ import annotations
+
+from dataclasses import fields
+from functools import partial
+
+import torch
+
+from rbcompile.artifact.compiled import SELF_DRAFT_BUDGET, CompiledModel
+from rbcompile.artifact.loading import load_artifact
+from rbcompile.errors import UserError
+from rbcompile.runtime.engine.core import BatchEngine
+from rbcompile.runtime.engine.drafters import LightDrafter
+from rbcompile.runtime.engine.generation import generate
+from rbcompile.runtime.engine.generation import stream as stream_tokens
+from rbcompile.runtime.engine.requests import EngineConfig
+from rbcompile.runtime.engine.sampling import SamplingConfig
+from rbcompile.runtime.engine.vote_sampling import generate_voted
+
+
+class Model(CompiledModel):
+    """A compiled artifact with generation: `generate` (the engine on one batch of requests),
+    `batch_engine` (a continuous-batching engine for serving) and the light path it drafts
+    with."""
+
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop=None,
+                 budget: float | None = None, speculate: str = "off",
+                 draft_budget: float | None = None, stream: bool = False,
+                 consistency="off", vote=None):
+        """Generate with the artifact's KV-cached decoder (runtime/engine/generation.py): a
+        `GenerationResult` (new tokens per row, full sequences, texts cut at a stop string,
+        stats: tokens/s, drafted, accepted), or with `stream=True` an iterator of (row, token)
+        as tokens are accepted (its `.result()` afterwards).
+
+        `budget` runs the MLPs of that budget's plan (attention always runs: it writes the
+        cache), under `guard` (its decoder's measured loss). `speculate`: "off", "ngram"
+        (prompt lookup), "self" (drafts from the light path of `draft_budget`, verified by the
+        full path), "auto" (picks per request from live acceptance, off when drafting does not
+        pay). `draft_budget` defaults to the plan
+        calibration chose (`decoder.draft`; "auto" leaves self-drafting out when calibration
+        found that no plan pays), else SELF_DRAFT_BUDGET. Greedy output is the full path's
+        token for token whatever the drafter; sampling keeps its distribution.
+
+        `consistency`: "off", or 1, 3 or 7 samples of one prompt voted on (self-consistency,
+        runtime/engine/vote_sampling.py: the samples share the prompt's K/V, sample i seeded seed + i,
+        early stop once the vote is decided), or "auto": as many as the complexity router
+        trained for this checkpoint picks from the prompt and its first-token logits
+        (runtime/engine/consistency_router.py). A `ConsistencyResult` (the voted answer, its votes,
+        the samples, stats); `vote` (`VoteOptions`) sets answer extraction, the semantic
+        tie-break, the early stop and the router."""
+        if self.decoder is None:
+            raise UserError("generate needs a decoder artifact with a KV-cached decoder "
+                            "(recompile it with this rbcompile)")
+        sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
+        if consistency != "off" or vote is not None:
+            if consistency == "off":
+                raise UserError("vote options need consistency=1, 3, 7 or 'auto'")
+            return generate_voted(self, input_ids, attention_mask, consistency, vote=vote,
+                                  speculate=speculate, stream=stream,
+                                  max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                  budget=budget)
+        gates = self.guarded_decoder_gates(budget)
+        light = self.light_drafter(draft_budget) if speculate in ("self", "auto") else None
+        if speculate == "auto" and not light.in_auto:
+            speculate = "ngram"
+        eos = self.hf_config.get("eos_token_id")
+        run = stream_tokens if stream else generate
+        return run(partial(self.decoder, gates=gates), torch.as_tensor(input_ids),
+                   attention_mask, shape=self.decoder.shape, max_new_tokens=max_new_tokens,
+                   sampling=sampling, eos_token_ids=() if eos is None else eos, stop=stop,
+                   decode=self.tokenizer.decode if stop else None, speculate=speculate,
+                   draft_step=light and light.step, draft_cost=light.cost if light else 1.0,
+                   cache_pool=self.decoder.cache_pool,
+                   unpadded_prefill=self.decoder.unpadded_prefill)
+
+    def light_drafter(self, draft_budget: float | None = None) -> LightDrafter:
+        """The light path that `speculate="self"` drafts with: the plan of `draft_budget`, by
+        default the one calibration chose (`decoder.draft`), else SELF_DRAFT_BUDGET's. "auto"
+        leaves it out where calibration found that no light plan pays."""
+        chosen, in_auto = self.decoder.draft, True
+        if draft_budget is None and chosen is not None:
+            draft_budget = chosen["budget"]
+            in_auto = draft_budget is not None
+        measured = draft_budget is not None and draft_budget == (chosen or {}).get("budget")
+        gates = self.decoder_gates(SELF_DRAFT_BUDGET if draft_budget is None else draft_budget)
+        cost = 0.0 if measured or gates is None else self.decoder.cost(gates)
+        return LightDrafter(partial(self.decoder, gates=gates), cost=cost, in_auto=in_auto)
+
+    def batch_engine(self, max_batch: int = 16, **options):
+        """A continuous-batching engine on the decoder (runtime/engine/core.py), for serving;
+        `options` are `EngineConfig`'s fields (`batch_buckets` defaults to whether the decoder
+        runs CUDA graphs, `unpadded_prefill` to whether the decoder takes prefills without a
+        mask) and BatchEngine's `wake` and `prefix_cache`."""
+        if self.decoder is None:
+            raise UserError("continuous batching needs a decoder artifact with a KV-cached decoder")
+        eos = self.hf_config.get("eos_token_id")
+        decode = self.tokenizer.decode if self.tokenizer_dir is not None else None
+        options.setdefault("batch_buckets", self.decoder.graphs is not None)
+        options.setdefault("unpadded_prefill", self.decoder.unpadded_prefill)
+        names = {field.name for field in fields(EngineConfig)}
+        config = EngineConfig(max_batch, **{k: v for k, v in options.items() if k in names})
+        return BatchEngine(self.decoder, self.decoder.shape, config,
+                           gates_for_budget=self.guarded_decoder_gates,
+                           eos_token_ids=() if eos is None else eos, decode=decode,
+                           release_cache=self.decoder.forget_cache, light=self.light_drafter(),
+                           **{k: v for k, v in options.items() if k not in names})
+
+
+def load(path, device=None, dtype=None) -> Model:
+    """Load an artifact folder (checked, see artifact/loading.py) as a `Model`."""
+    return load_artifact(path, device, dtype, model_class=Model)

@@ -1,0 +1,124 @@
+"""Speculative decoding in the batch engine's steps (engine.py).
+
+Each step, every group of rows that drafts together (`DraftGroup`: one `generate` call's rows,
+or one served choice) picks its drafter (draft_policy.py); n-gram rows propose by lookup over
+their own tokens (`NGramDrafter`), light-path rows by the light step run over the batch on its
+own cache (`LightDrafter`). The step verifies [pending token + drafts] of every row in one
+forward, and each group hears what its rows kept and how long the step took.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from rbcompile.errors import UserError
+from rbcompile.runtime.engine.draft_policy import AutoPolicy, FixedPolicy
+from rbcompile.runtime.engine.drafters import LightDrafter, NGramDrafter, Proposal
+from rbcompile.runtime.engine.requests import SPECULATE_MODES, DraftGroup, EngineRequest
+
+
+class Speculation:
+    """The drafters of an engine's rows. `light`: the light path, for 'self' (and 'auto');
+    `draft_tokens`: most drafts per row and step."""
+
+    def __init__(self, draft_tokens: int, light: LightDrafter | None = None):
+        self.draft_tokens, self.light = draft_tokens, light
+        self.ngrams: dict[EngineRequest, NGramDrafter] = {}
+
+    def check(self, request: EngineRequest) -> None:
+        """A one-line UserError for a drafter this engine does not have."""
+        if request.speculate not in SPECULATE_MODES:
+            raise UserError(f"unknown speculate={request.speculate!r}; valid: "
+                            f"{', '.join(SPECULATE_MODES)}")
+        if request.speculate == "self" and self.light is None:
+            raise UserError("speculate='self' needs a draft_step (the light path)")
+
+    def start(self, request: EngineRequest) -> None:
+        """`request` joins the queue: its draft group (its own unless it shares one) and, for
+        lookup, the n-gram index of its prompt."""
+        if request.drafting is None:
+            request.drafting = DraftGroup(self.policy(request.speculate))
+        if request.speculate in ("ngram", "auto"):
+            self.ngrams[request] = NGramDrafter(request.prompt)
+
+    def policy(self, speculate: str) -> FixedPolicy | AutoPolicy:
+        """The policy of a group of rows asking `speculate`."""
+        if speculate != "auto":
+            return FixedPolicy(speculate)
+        light = self.light if self.light is not None and self.light.in_auto else None
+        # before its first step a drafter may lose what it adds to a plain step: nothing for
+        # n-gram lookup, `draft_tokens` light-path forwards for self-drafting
+        return AutoPolicy(["off", "ngram", *(["self"] if light else [])],
+                          {"self": self.draft_tokens * light.cost} if light else {})
+
+    def extend(self, request: EngineRequest, token: int) -> None:
+        if request in self.ngrams:
+            self.ngrams[request].extend([token])
+
+    def drop(self, request: EngineRequest) -> None:
+        self.ngrams.pop(request, None)
+
+    def propose(self, running: list[EngineRequest], limit: int, light_forward: Callable,
+                generators: list) -> list[Proposal]:
+        """Each running row's drafts this step (none in 'off', or without a match): at most
+        `limit`, and one less than the tokens it has left. `light_forward(tokens, offset)`:
+        the light step over the batch (drafters.LightDrafter)."""
+        groups = _groups(running)
+        for group in groups:
+            group.mode = group.policy.choose()
+        proposals = [Proposal() for _ in running]
+        light_rows = {}
+        for index, request in enumerate(running):
+            left = min(limit, request.max_new_tokens - len(request.tokens) - 1)
+            mode = request.drafting.mode
+            if left < 1 or mode == "off":
+                continue
+            if mode == "ngram":
+                proposals[index].tokens = self.ngrams[request].propose(left)
+            else:
+                light_rows[index] = left
+        if light_rows:
+            calls = []
+
+            def counted(tokens, offset):
+                calls.append(offset)
+                return light_forward(tokens, offset)
+
+            drafted = self.light.propose(counted, [r.tokens[-1] for r in running], light_rows,
+                                         [r.sampling for r in running], generators)
+            for index, proposal in drafted.items():
+                proposals[index] = proposal
+            for group in _groups([running[index] for index in light_rows]):
+                group.stats.forward_calls += len(calls)
+        return proposals
+
+    @staticmethod
+    def prefilled(requests: list[EngineRequest]) -> None:
+        """A prefill forward ran for `requests`: their groups count it."""
+        for group, rows in _groups(requests).items():
+            group.stats.forward_calls += 1
+            group.stats.rows_per_step.append(rows)
+
+    @staticmethod
+    def record(running: list[EngineRequest], proposals: list[Proposal],
+               emitted: list[list[int]], seconds: float) -> None:
+        """After a decode step of `seconds`: each group's counters and policy hear how many
+        drafts its rows verified and kept."""
+        counts: dict[DraftGroup, list[int]] = {}
+        for request, proposal, tokens in zip(running, proposals, emitted):
+            count = counts.setdefault(request.drafting, [0, 0, 0])
+            count[0] += 1
+            count[1] += len(proposal.tokens)
+            count[2] += len(tokens) - 1
+        for group, (rows, drafted, kept) in counts.items():
+            group.stats.forward_calls += 1
+            group.stats.rows_per_step.append(rows)
+            group.stats.record_step(group.mode, rows, drafted, kept)
+            group.policy.record(group.mode, 1 + kept / rows, seconds, drafted / rows, kept / rows)
+
+
+def _groups(requests: list[EngineRequest]) -> dict[DraftGroup, int]:
+    """The draft groups of `requests`, in order, with how many of them each holds."""
+    groups: dict[DraftGroup, int] = {}
+    for request in requests:
+        groups[request.drafting] = groups.get(request.drafting, 0) + 1
+    return groups

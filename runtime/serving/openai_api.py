@@ -1,0 +1,148 @@
+"""The OpenAI API's shapes as `rbcompile serve` speaks them: request bodies (strict: an unknown
+field is a 400), the one-line error body, and pydantic's errors turned into it."""
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rbcompile.errors import check_unicode, first_line
+from rbcompile.runtime.control.admission import QOS_CLASSES
+from rbcompile.runtime.engine.generation import SPECULATE_MODES
+
+RETRY_AFTER_S = 1   # what a 503 (overloaded) tells the client to wait
+
+
+class ApiError(Exception):
+    """A request refused with `status` and a one-line message in the OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": str(RETRY_AFTER_S)},
+                   408: {"Connection": "close"}, 413: {"Connection": "close"}}  # body unread
+        return JSONResponse(error_body(self.message, self.param, self.code), status_code=self.status,
+                            headers=headers.get(self.status))
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---- request bodies ----------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value):
+        """Strings (and lists of them) must encode as UTF-8: a lone surrogate ("\\ud800" in
+        JSON) is a 400 naming the field, never the tokenizer's error."""
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                check_unicode(text, "the text")
+        return value
+
+
+class CompletionExtension(_Strict):
+    """The `rbcompile` object of a completion request."""
+    budget: float | None = Field(None, ge=0, le=1)
+    speculate: Literal[SPECULATE_MODES] = "off"
+    qos: Literal[QOS_CLASSES] = "standard"
+    consistency: Literal[1, 3, 7, "auto"] | None = None   # voted samples (runtime/engine/consistency.py)
+    extract: str = "first-line"   # with consistency: how an answer is read from a sample
+
+
+class EmbeddingExtension(_Strict):
+    """The `rbcompile` object of an embeddings request."""
+    budget: float | None = Field(None, ge=0, le=1)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False   # a last chunk with no choices and the request's usage
+
+
+class _GenerationRequest(_Strict):
+    """The fields /v1/completions and /v1/chat/completions share."""
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    rbcompile: CompletionExtension = CompletionExtension()
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1)
+
+    def asked_tokens(self) -> tuple[int | None, str]:
+        """(new tokens asked for, the field that asked)."""
+        return self.max_tokens, "max_tokens"
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def asked_tokens(self) -> tuple[int | None, str]:
+        """(new tokens asked for, the field that asked); None: as many as fit."""
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ApiError(400, "give max_completion_tokens or max_tokens, not both", "max_tokens")
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class EmbeddingRequest(_Strict):
+    model: str | None = None
+    input: str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+    rbcompile: EmbeddingExtension = EmbeddingExtension()
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """Pydantic's errors as a one-line 400 about the first field (a union's alternatives
+    joined with 'or')."""
+    param = param_name(errors[0]["loc"])
+    kind = errors[0]["type"]
+    if kind == "extra_forbidden":   # the field's own name, whatever its characters
+        parent, name = param_name(errors[0]["loc"][:-1]), ascii(str(errors[0]["loc"][-1]))[1:-1]
+        name = f"{parent}.{name}" if parent else name
+        return ApiError(400, f"unknown field '{name}'", name)
+    if kind == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {errors[0]['msg']}")
+    if param is None:
+        return ApiError(400, f"the body must be a JSON object: {errors[0]['msg']}")
+    reasons = dict.fromkeys(first_line(e["msg"]).removeprefix("Value error, ")
+                            for e in errors if param_name(e["loc"]) == param)
+    return ApiError(400, f"'{param}': {' or '.join(reasons)}", param)
+
+
+def param_name(loc: tuple) -> str | None:
+    """'rbcompile.budget' from ('body', 'rbcompile', 'budget'); union tags ('list[str]') left out."""
+    fields = [str(part) for part in loc[1:] if isinstance(part, int) or part.isidentifier()
+              and part not in ("str", "int", "float", "bool")]
+    return ".".join(fields) or None
+
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,40 @@
+"""How `rbcompile serve` serves: one typed object, built once from the command line
+(cli/serve_options.py) and handed unchanged to `create_app` and, pickled, to every Ray replica
+and the cluster's controller."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rbcompile.artifact.guard import QualityGuard
+from rbcompile.runtime.control.admission import Watermarks
+from rbcompile.runtime.control.quality_loop import QualityLoopConfig
+from rbcompile.runtime.serving.limits import ServeLimits
+from rbcompile.runtime.serving.serve_policy import PolicyOptions
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`api_key`: with one, every path but /health needs `Authorization: Bearer <api_key>`.
+    `limits`: what a request may ask (runtime/serving/limits.py). Decoders' completions are
+    continuously batched, at most `max_batch` rows at a time (1: one after another), with a
+    prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none) and prompts longer than
+    `prefill_chunk` tokens prefilled in chunks of it (None: whole). Encoders' embeddings of
+    exact repeats come from a result cache of `result_cache_mb` MiB (0: none). `watermarks`:
+    memory levels of admission (runtime/control/admission.py). `policy`: who sets the budget of
+    completions that bring none (runtime/serving/serve_policy.py), within `guard` (None: the
+    artifact's own) and the live agreement checks of `quality_loop`."""
+    api_key: str | None = None
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    max_batch: int = 16
+    prefix_cache_mb: float = 256
+    prefill_chunk: int | None = 512
+    result_cache_mb: float = 256
+    watermarks: Watermarks = field(default_factory=Watermarks)
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    guard: QualityGuard | None = None
+    quality_loop: QualityLoopConfig = field(default_factory=QualityLoopConfig)
+
+    @property
+    def slo_s(self) -> float:
+        """The decode-step latency the controller holds (the policy's objective)."""
+        return self.policy.slo_ms / 1000

@@ -1,0 +1,81 @@
+"""The state the HTTP endpoints share (runtime/serving/completions.py, runtime/serving/embeddings.py)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Callable
+
+from rbcompile.runtime.control.admission import Watermarks
+from rbcompile.runtime.control.result_cache import ResultCache, fingerprint
+from rbcompile.runtime.serving.limits import ClientChoices, ServeLimits
+from rbcompile.runtime.serving.model_worker import ModelWorker
+from rbcompile.runtime.serving.openai_api import ApiError
+from rbcompile.runtime.serving.serve_metrics import Metrics
+
+
+class Service:
+    """What the endpoints share on one compiled model: its tokenizer, the model thread, the
+    limits, metrics and memory watermarks, and tokenising off the event loop."""
+
+    def __init__(self, compiled, limits: ServeLimits, metrics: Metrics, worker: ModelWorker,
+                 watermarks: Watermarks, memory: Callable[[], float], results: ResultCache | None):
+        self.compiled, self.limits, self.metrics, self.worker = compiled, limits, metrics, worker
+        self.watermarks, self.memory, self.results = watermarks, memory, results
+        self.fingerprint = fingerprint(compiled)
+        self.name = compiled.manifest["source"]["name"]
+        self.created = int(time.time())
+        self.tokenizer = compiled.tokenizer
+        if self.tokenizer.pad_token is None:  # left padding is masked: any token will do
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        eos = compiled.hf_config.get("eos_token_id")
+        self.eos = set([eos] if isinstance(eos, int) else eos or [])
+        # one thread: the fast tokenizer's padding settings are not safe to change concurrently
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rbcompile-tokenize")
+        self.clients = ClientChoices(limits.max_client_choices)
+
+    def _check_model(self, model: str | None, family: str, endpoint: str, other: str) -> None:
+        if self.compiled.family != family:
+            raise ApiError(400, f"{endpoint} serves {family} artifacts, not "
+                           f"{self.compiled.family}s: use {other}")
+        if model is not None and model != self.name:
+            raise ApiError(400, f"unknown model '{model}': this server serves '{self.name}'", "model")
+
+    def _encode(self, texts: list[str], param: str, add_special_tokens: bool = True):
+        """The texts as one batch (decoders left-padded for generate, encoders right-padded so
+        positions start at 0); refused when empty or longer than the model."""
+        if not texts:
+            raise ApiError(400, f"'{param}' is an empty list", param)
+        side = "left" if self.compiled.family == "decoder" else "right"
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side=side,
+                               add_special_tokens=add_special_tokens)
+        longest = int(batch["attention_mask"].sum(1).max())
+        most = self.compiled.max_positions - (self.compiled.family == "decoder")  # room for 1 token
+        if longest > most:
+            raise ApiError(400, f"a prompt has {longest} tokens; at most {most} fit the model's "
+                           f"{self.compiled.max_positions} positions", param)
+        return batch
+
+
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` on the tokenising pool: a long prompt never stalls the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, partial(fn, *args))
+
+    async def _relieve_memory(self) -> float:
+        """The memory fraction in use now; from the shrink watermark on, the prefix cache (set on
+        the model thread, its owner) and the result cache hold half their capacity."""
+        memory, engine = self.memory(), self.worker.engine
+        self.metrics.watermark.set(self.watermarks.level(memory))
+        pressed = memory >= self.watermarks.shrink
+        cache = engine.prefix_cache if engine is not None else None
+        if cache is not None:
+            limit = cache.capacity_bytes // 2 if pressed else None
+            if cache.limit_bytes != limit:
+                await self.worker.call(cache.set_limit, limit)
+        if self.results is not None:
+            if pressed:
+                self.results.limit(self.results.max_bytes // 2)
+            else:
+                self.results.restore()
+        return memory
