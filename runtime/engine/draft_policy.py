@@ -19,7 +19,8 @@ class FixedPolicy:
 
 
 class AutoPolicy:
-    """Per draft group (a generate call's rows, a served choice) the choice among 'off' and drafters by measured tokens per second.
+    """Per draft group (a generate call's rows, a served choice), the choice among 'off' and
+    drafters by measured tokens per second.
 
     'off' runs first; then the fastest mode over its last `window` steps runs (a mode that is
     not running is judged by its last measurement alone). A drafter must beat 'off' by
