@@ -15,6 +15,7 @@ from rbcompile.artifact import manifest as manifests
 from rbcompile.artifact.atomic import write_folder
 from rbcompile.artifact.cuda_graphs import GraphCache, plan_key
 from rbcompile.artifact.decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder
+from rbcompile.artifact.executors import use_executor
 from rbcompile.artifact.guard import DECODER, FORWARD, GuardedPlan, QualityGuard, guard_budget
 from rbcompile.artifact.input_complexity import LengthRarityComplexity
 from rbcompile.artifact.manifest import CONFIG, GRAPH, MANIFEST, SCHEMA_VERSION, SOURCE, WEIGHTS
@@ -140,7 +141,15 @@ class CompiledModel:
                 self.cuda_graphs.clear()
             if self.decoder is not None:
                 self.decoder.clear_graphs()
+                self.decoder.executor = None  # it runs on the CPU copy of the weights
         return self
+
+    def use_executor(self, executor: str = "auto", weights: str = "fp32",
+                     threads: int | None = None) -> str:
+        """Run the decoder's steps with `executor` ("auto", "torch", "onnxruntime") at
+        `weights` ("fp32", "int8", "int4"; see rbcompile/artifact/executors.py); returns
+        the executor chosen."""
+        return use_executor(self, executor, weights, threads)
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
                         batch_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), seq_multiple: int = 64,

@@ -9,6 +9,7 @@ branches are its prunable regions, gated by unit name from the main graph's plan
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,8 @@ class Decoder:
         self.graphs: GraphCache | None = None
         self.cache_pool: CachePool | None = None  # with graphs: K/V tensors kept for reuse
         self.plan_graphs: PlanGraphs | None = None  # CompiledModel.compile_plans
+        self.executor = None  # a StepExecutor: steps run as onnxruntime graphs (use_executor)
+        self.precision: dict[str, str] | None = None  # the executor's weight precision per linear
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
                         capture=None) -> "Decoder":
@@ -119,6 +122,9 @@ class Decoder:
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, logit_positions,
                  cache, gates=None) -> torch.Tensor:
+        if self.executor is not None:
+            return self.executor(input_ids, attention_mask, position_ids, cache_position,
+                                 logit_positions, cache, gates, self.precision)
         gates = [True] * self.num_gates if gates is None else gates
         inputs = (input_ids, attention_mask, position_ids, cache_position, logit_positions,
                   *cache, gates)
@@ -126,6 +132,16 @@ class Decoder:
             if self.graphs is not None:
                 return self.graphs(plan_key(gates, None), *inputs)[0]
             return self.module(*inputs)[0]
+
+    def mlp_layers(self) -> dict[int, int] | None:
+        """gate -> the layer whose MLP branch it turns off (None: a gate that is not one)."""
+        layers = {}
+        for name, gate in self.unit_gates.items():
+            found = re.fullmatch(r".*layers\.(\d+)\.mlp", name)
+            if found is None:
+                return None
+            layers[gate] = int(found.group(1))
+        return layers
 
     def cost(self, gates) -> float:
         """FLOP share of a step that runs under `gates` (1.0: the full path)."""

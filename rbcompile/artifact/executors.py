@@ -1,0 +1,126 @@
+"""Which executor runs a decoder's steps, and at which weight precision.
+
+- "torch": the generated module, op by op (the reference: the full path equals the source
+  model to fp32 rounding);
+- "onnxruntime": `StepExecutor`, one onnxruntime graph per plan, with the weights at `fp32`,
+  `int8` or `int4` (MatMulNBits);
+- "auto": onnxruntime where it runs the model (a Llama-family fp32 decoder on the CPU), torch
+  elsewhere.
+
+Lower precisions change the output: `check_precision` lets one run only where calibration
+measured its quality loss within the guard (the manifest's `precisions`, compiler/precision.py),
+or where the guard allows unmeasured plans.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rbcompile.artifact.guard import QualityGuard
+from rbcompile.errors import UserError
+
+EXECUTORS = ("auto", "torch", "onnxruntime")
+WEIGHT_LEVELS = ("fp32", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class StoredPrecision:
+    """A weight precision as calibration measured it on held-out text (the manifest's
+    `precisions`): its quality loss against the full path (quality.quality_loss) and the
+    measures behind it."""
+    level: str
+    decoder_quality_loss: float
+    heldout: dict
+
+    def to_json(self) -> dict:
+        return {"level": self.level, "decoder_quality_loss": self.decoder_quality_loss,
+                "heldout": self.heldout}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> "StoredPrecision":
+        return cls(entry["level"], float(entry["decoder_quality_loss"]), dict(entry["heldout"]))
+
+
+def stored_precisions(manifest: dict) -> dict[str, StoredPrecision]:
+    return {entry["level"]: StoredPrecision.from_json(entry)
+            for entry in manifest.get("precisions", [])}
+
+
+def onnxruntime_reason(compiled) -> str | None:
+    """Why the onnxruntime executor cannot run `compiled`'s decoder (None: it can)."""
+    from rbcompile.artifact.step_graph import unsupported_reason
+
+    decoder = compiled.decoder
+    if decoder is None:
+        return "the artifact has no KV-cached decoder"
+    reason = unsupported_reason(compiled.hf_config)
+    if reason is not None:
+        return reason
+    if decoder.device.type != "cpu":
+        return f"the model is on {decoder.device} (the executor runs on the CPU)"
+    if decoder.dtype != torch.float32:
+        return f"the weights are {decoder.dtype} (the executor takes fp32)"
+    if decoder.mlp_layers() is None:
+        return "its decoder gates are not all MLP branches"
+    return None
+
+
+def check_precision(compiled, weights: str, guard: QualityGuard) -> None:
+    """Refuse (UserError) `weights` where its measured loss is over `guard`, or where it was
+    never measured and `guard` runs measured plans only."""
+    if weights not in WEIGHT_LEVELS:
+        raise UserError(f"weights must be one of {', '.join(WEIGHT_LEVELS)}, got {weights!r}")
+    if weights == "fp32":
+        return
+    measured = stored_precisions(compiled.manifest).get(weights)
+    loss = None if measured is None else measured.decoder_quality_loss
+    if not guard.allows(loss):
+        why = ("was never measured on this artifact (compile it with --precisions "
+               f"{weights}, or pass --allow-unmeasured)" if loss is None else
+               f"costs quality loss {loss:.3f} on held-out text, over the guard's "
+               f"{guard.max_quality_loss:g} (raise --max-quality-loss to run it)")
+        raise UserError(f"{weights} weights {why}")
+
+
+def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
+                 threads: int | None = None) -> str:
+    """Run `compiled`'s decoder steps with `executor` at `weights`; returns the executor
+    chosen ("auto" resolved). Precision other than fp32 needs onnxruntime."""
+    if executor not in EXECUTORS:
+        raise UserError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if weights not in WEIGHT_LEVELS:
+        raise UserError(f"weights must be one of {', '.join(WEIGHT_LEVELS)}, got {weights!r}")
+    reason = onnxruntime_reason(compiled)
+    if executor == "auto":
+        executor = "onnxruntime" if reason is None else "torch"
+    if executor == "torch":
+        if weights != "fp32":
+            raise UserError(f"{weights} weights need the onnxruntime executor "
+                            f"({reason or 'pass --executor onnxruntime'})")
+        if compiled.decoder is not None:
+            compiled.decoder.executor, compiled.decoder.precision = None, None
+        return executor
+    if reason is not None:
+        raise UserError(f"the onnxruntime executor cannot run this model: {reason}")
+    from rbcompile.artifact.module import weights as module_weights
+    from rbcompile.artifact.step_executor import StepExecutor
+
+    decoder = compiled.decoder
+    if decoder.executor is None or decoder.executor.threads != threads:
+        decoder.executor = StepExecutor(module_weights(decoder.module), compiled.hf_config,
+                                        decoder.mlp_layers(), threads=threads)
+    decoder.precision = level_precision(weights, decoder.executor.linear_weights())
+    return executor
+
+
+HEAD = "lm_head.weight"
+
+
+def level_precision(level: str, linears: list[str]) -> dict[str, str] | None:
+    """The precision per linear weight of a level (None: fp32). int4 keeps the vocabulary head
+    at int8, as llama.cpp's 4-bit files keep their output tensor at 6-8 bits: the head is
+    21% of SmolLM2's weights and the one most sensitive (a GGUF Q4_1 SmolLM2 ships it Q8_0)."""
+    if level == "fp32":
+        return None
+    return {key: "int8" if level == "int4" and key == HEAD else level for key in linears}

@@ -1,0 +1,196 @@
+"""`StepExecutor`: a decoder's KV-cached steps run as one onnxruntime graph each
+(`step_graph.py`) instead of op by op through PyTorch eager, with the same calling convention
+as `Decoder.__call__` (it writes the step's keys / values into the caller's cache).
+
+Inputs, outputs and weights are bound by pointer (the cache and the fp32 weights are the
+torch tensors themselves; nothing is copied into onnxruntime). One session per
+`StepVariant` (a plan's skipped MLPs and its weight precisions), built on first use and kept
+(up to `max_sessions`); all sessions share the weights' memory.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from rbcompile.artifact.step_graph import (
+    StepShape,
+    StepVariant,
+    build_step_graph,
+    unsupported_reason,
+)
+from rbcompile.kernels.int_weights import LEVELS, PackedWeight, quantize
+
+EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _session_options(threads: int | None):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return options
+
+
+class StepExecutor:
+    """Runs decoder steps in onnxruntime; `variant(gates, precision)` names the graph."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], config: dict, mlp_gates: dict[int, int],
+                 *, threads: int | None = None, max_sessions: int = 8):
+        reason = unsupported_reason(config)
+        if reason is not None:
+            raise ValueError(f"the onnxruntime step executor does not run this model: {reason}")
+        self.shape = StepShape.from_config(config)
+        self.mlp_gates = mlp_gates        # gate index -> layer whose MLP branch it turns off
+        self.threads, self.max_sessions = threads, max_sessions
+        self.qkv_bias = "model.layers.0.self_attn.q_proj.bias" in weights
+        embedding = next(key for key in EMBEDDING_KEYS if key in weights)
+        self.tensors = {key: tensor.detach().contiguous() for key, tensor in weights.items()}
+        self.tensors["model.embed_tokens.weight"] = self.tensors[embedding]
+        self.tensors.setdefault("lm_head.weight", self.tensors[embedding])
+        self.arrays: dict[str, np.ndarray | PackedWeight] = {
+            key: tensor.numpy() for key, tensor in self.tensors.items()}
+        self.sessions: OrderedDict[StepVariant, object] = OrderedDict()
+        self._values: dict[str, object] = {}  # initializer name -> OrtValue, shared by sessions
+
+    # ---- variants -----------------------------------------------------------------------
+
+    def variant(self, gates=None, precision: dict[str, str] | None = None,
+                fused_attention: bool = True) -> StepVariant:
+        """The graph of decoder `gates` (None: all on) with `precision` per linear weight."""
+        skipped = frozenset(layer for gate, layer in self.mlp_gates.items()
+                            if gates is not None and not gates[gate])
+        return StepVariant(skipped, tuple(sorted((precision or {}).items())), fused_attention)
+
+    def linear_weights(self) -> list[str]:
+        """The names of the weights a precision can be given to (every linear, head included)."""
+        return [key for key, tensor in self.tensors.items()
+                if tensor.dim() == 2 and key.endswith("_proj.weight") or key == "lm_head.weight"]
+
+    def array(self, name: str) -> np.ndarray | PackedWeight:
+        """A weight the graph names (step_graph.build_step_graph's `source`), made on first
+        use: stacked rows of "+"-joined keys, packed for an "@int8" / "@int4" suffix."""
+        if name not in self.arrays:
+            stem, _, level = name.partition("@")
+            keys = stem.split("+")
+            rows = (self.tensors[keys[0]] if len(keys) == 1 else
+                    torch.cat([self.tensors[key] for key in keys]))
+            self.arrays[name] = quantize(rows, LEVELS[level]) if level else rows.numpy()
+        return self.arrays[name]
+
+    def session(self, variant: StepVariant):
+        """The onnxruntime session of `variant` (built on first use)."""
+        import onnxruntime
+
+        if variant in self.sessions:
+            self.sessions.move_to_end(variant)
+            return self.sessions[variant]
+        model, initializers = build_step_graph(self.shape, variant, self.array, self.qkv_bias)
+        options = _session_options(self.threads)
+        for name, value in initializers.items():
+            if name not in self._values:
+                self._values[name] = onnxruntime.OrtValue.ortvalue_from_numpy(value)
+        options.add_external_initializers(list(initializers),
+                                          [self._values[name] for name in initializers])
+        session = onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                               providers=["CPUExecutionProvider"])
+        self.sessions[variant] = session
+        while len(self.sessions) > self.max_sessions:
+            self.sessions.popitem(last=False)
+        return session
+
+    # ---- a step ---------------------------------------------------------------------------
+
+    def __call__(self, input_ids, attention_mask, position_ids, cache_position, logit_positions,
+                 cache, gates=None, precision: dict[str, str] | None = None) -> torch.Tensor:
+        batch, tokens = input_ids.shape
+        start = int(cache_position[0])
+        if attention_mask is None:  # an unpadded prefill: every slot is kept
+            attention_mask = torch.ones(batch, start + tokens, dtype=torch.long)
+        fused = batch == 1 or tokens == 1   # what GroupQueryAttention's CPU kernel takes
+        session = self.session(self.variant(gates, precision, fused))
+        shape = self.shape
+        logits = torch.empty(batch, len(logit_positions), shape.vocab)
+        feeds = {"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous(),
+                 "logit_positions": logit_positions.contiguous()}
+        for layer in range(shape.layers):
+            feeds[f"past_key_{layer}"] = cache[2 * layer]
+            feeds[f"past_value_{layer}"] = cache[2 * layer + 1]
+        if fused:
+            written = cache            # GroupQueryAttention writes the cache where it is
+            feeds["attention_bias"] = causal_bias(attention_mask, start, tokens)
+            feeds["seqlens_k"] = torch.full((batch,), start + tokens - 1, dtype=torch.int32)
+            feeds["total_sequence_length"] = torch.tensor(start + tokens, dtype=torch.int32)
+        else:
+            written = [torch.empty(batch, shape.kv_heads, tokens, shape.head_dim) for _ in cache]
+            feeds["attention_bias"] = split_bias(attention_mask, start, tokens,
+                                                 cache[0].shape[2], shape.heads // shape.kv_heads)
+        binding = session.io_binding()
+        for name, tensor in feeds.items():
+            _bind(binding.bind_input, name, tensor)
+        _bind(binding.bind_output, "logits", logits)
+        stem = "present" if fused else "new"
+        for layer in range(shape.layers):
+            _bind(binding.bind_output, f"{stem}_key_{layer}", written[2 * layer])
+            _bind(binding.bind_output, f"{stem}_value_{layer}", written[2 * layer + 1])
+        session.run_with_iobinding(binding)
+        if not fused:
+            for tensor, values in zip(cache, written, strict=True):
+                tensor.index_copy_(2, cache_position, values)
+        return logits
+
+
+def sequence_logits(step, input_ids: torch.Tensor, attention_mask: torch.Tensor, kv_heads: int,
+                    head_dim: int, layers: int) -> torch.Tensor:
+    """Logits at every position of left- or right-padded sequences [B, T], from one prefill
+    step (`step`: a Decoder or StepExecutor call) into a scratch cache of T slots."""
+    batch, tokens = input_ids.shape
+    cache = [torch.zeros(batch, kv_heads, tokens, head_dim) for _ in range(2 * layers)]
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    slots = torch.arange(tokens)
+    return step(input_ids, attention_mask, positions, slots, slots, cache)
+
+
+def _bind(bind, name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name}: the step executor binds contiguous tensors only")
+    bind(name, "cpu", 0, _NUMPY[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+
+
+_NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32}
+
+
+def _allowed(attention_mask: torch.Tensor, start: int, tokens: int) -> torch.Tensor:
+    """[B, T, start + T] bool: query t (slot start + t) sees the slots up to its own that the
+    mask keeps, and always itself (a pad query attends to itself, so no row is all -inf)."""
+    total = start + tokens
+    keep = attention_mask[:, :total].to(torch.bool)
+    slots = torch.arange(total)
+    causal = slots[None, :] <= (start + torch.arange(tokens))[:, None]         # [T, total]
+    itself = slots[None, :] == (start + torch.arange(tokens))[:, None]
+    return (keep[:, None, :] & causal) | itself
+
+
+def _bias(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+
+
+def causal_bias(attention_mask: torch.Tensor, start: int, tokens: int) -> torch.Tensor:
+    """GroupQueryAttention's attention_bias [B, 1, T, start + T] for a step writing slots
+    [start, start + T)."""
+    return _bias(_allowed(attention_mask, start, tokens))[:, None].contiguous()
+
+
+def split_bias(attention_mask: torch.Tensor, start: int, tokens: int, slots: int,
+               group: int) -> torch.Tensor:
+    """The plain-ops attention's bias [B, 1, group * T, slots + T]: the cache's slots before
+    `start`, then the step's own T tokens, rows repeated per grouped query head."""
+    allowed = _allowed(attention_mask, start, tokens)
+    past = torch.zeros(allowed.shape[0], tokens, slots, dtype=torch.bool)
+    past[..., :start] = allowed[..., :start]
+    both = torch.cat([past, allowed[..., start:]], dim=-1)
+    return _bias(both)[:, None].repeat(1, 1, group, 1).contiguous()

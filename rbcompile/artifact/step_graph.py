@@ -1,0 +1,310 @@
+"""The ONNX graph of one KV-cached decoder step, built from an artifact's weights for the
+Llama family (Llama, SmolLM, Qwen 2, Mistral without a window): what `StepExecutor` runs in
+onnxruntime instead of the generated module's op-by-op eager step.
+
+Calling convention (one graph per `StepVariant`):
+    input_ids [B, T] int64, position_ids [B, T] int64, attention_bias [B, 1, T, S + T] float
+    (0 where a query may attend, -inf elsewhere; S = cache slots, then the T new tokens),
+    logit_positions [K] int64, past_key_i / past_value_i [B, kv heads, S, head dim]
+    -> logits [B, K, vocab], new_key_i / new_value_i [B, kv heads, T, head dim].
+The graph reads the cache and never copies it: attention scores are taken against the cache
+and against the T new keys separately, and the caller writes the new keys / values into its
+cache at the step's slots. Grouped heads are a reshape (queries [B, kv heads, group * T, hd]),
+never a repeat of K/V.
+
+Each linear is a Gemm with the weight as stored ([out, in], transB), so the fp32 weights are
+the artifact's own tensors (no transposed copy), or a `MatMulNBits` (int8 / int4 weights,
+`kernels/int_weights.py`) where the variant gives it a lower precision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+from onnx import TensorProto, helper
+
+from rbcompile.kernels.int_weights import PackedWeight
+
+OPSET = 23
+MS_DOMAIN = "com.microsoft"
+# MatMulNBits computes with int8 activations (its fast AVX2 kernels): level 0 (fp32
+# activations) has no fast int8 kernel on this CPU (3.7 tok/s against 41 on SmolLM2)
+ACCURACY_LEVEL = 4
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The model dimensions the graph is built for (from a transformers config)."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    max_positions: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> "StepShape":
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        return cls(config["num_hidden_layers"], config["hidden_size"], heads,
+                   config.get("num_key_value_heads") or heads, head_dim, config["vocab_size"],
+                   float(config["rms_norm_eps"]), config["max_position_embeddings"])
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    """What one graph runs: `skipped_mlps` (layer indices whose MLP branch is off: a plan's
+    gates), `precision` per linear weight name ("int8" / "int4"; absent: fp32), and the
+    attention: `fused_attention` is onnxruntime's GroupQueryAttention writing the cache in
+    place (its CPU kernel takes one row, or one token per row), else plain ops that read the
+    cache and output the new keys / values."""
+    skipped_mlps: frozenset[int] = frozenset()
+    precision: tuple[tuple[str, str], ...] = ()
+    fused_attention: bool = True
+
+    def level(self, weight: str) -> str:
+        return dict(self.precision).get(weight, "fp32")
+
+
+def fused_name(keys: list[str]) -> str:
+    """The name of the weight that stacks the rows of `keys` (a single key's own name)."""
+    return keys[0] if len(keys) == 1 else "+".join(keys)
+
+
+def unsupported_reason(config: dict) -> str | None:
+    """Why the step graph cannot run this model (None: it can)."""
+    architectures = config.get("architectures") or ["?"]
+    if architectures[0] not in SUPPORTED:
+        return f"{architectures[0]} is not one of {', '.join(SUPPORTED)}"
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and architectures[0] != "LlamaForCausalLM":
+        return "sliding-window attention"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"activation {config.get('hidden_act')}"
+    return None
+
+
+@dataclass
+class _Builder:
+    shape: StepShape
+    variant: StepVariant
+    source: Callable         # weight name -> np.ndarray (fp32) or PackedWeight ("NAME@int4")
+    nodes: list = field(default_factory=list)
+    initializers: dict = field(default_factory=dict)   # weights: name -> array the session gets
+    constants: list = field(default_factory=list)      # small tensors stored in the graph
+    counter: int = 0
+
+    def name(self, stem: str) -> str:
+        self.counter += 1
+        return f"{stem}_{self.counter}"
+
+    def op(self, kind: str, inputs: list[str], domain: str = "", outputs: int = 1,
+           out: str | list[str] | None = None, **attrs):
+        """A node; its output name (names for `outputs` > 1), given by `out` or made up."""
+        names = ([out] if isinstance(out, str) else out) if out else [
+            self.name(kind.lower()) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(kind, inputs, names, domain=domain or None, **attrs))
+        return names[0] if len(names) == 1 else names
+
+    def const(self, stem: str, value: np.ndarray) -> str:
+        name = self.name(stem)
+        self.constants.append(onnx.numpy_helper.from_array(value, name))
+        return name
+
+    def ints(self, *values: int) -> str:
+        return self.const("shape", np.array(values, dtype=np.int64))
+
+    def weight(self, key: str) -> str:
+        if key not in self.initializers:
+            self.initializers[key] = self.source(key)
+        return key
+
+    def linear(self, x: str, keys: list[str], biases: list[str] | None = None,
+               out: str | None = None) -> list[str]:
+        """x [..., in] @ W^T (+ bias) for each weight [out, in] of `keys` (the linears that
+        read `x`), each at the variant's precision: those of one precision as one matmul of
+        their rows stacked (`fused_name`), then split."""
+        outputs = {}
+        for level in dict.fromkeys(self.variant.level(key) for key in keys):
+            group = [key for key in keys if self.variant.level(key) == level]
+            fused = fused_name(group)
+            if level == "fp32":
+                y = self.op("FusedMatMul", [x, self.weight(fused)], domain=MS_DOMAIN, transB=1,
+                            out=out if len(keys) == 1 and not biases else None)
+            else:
+                packed: PackedWeight = self.source(f"{fused}@{level}")
+                y = self._int_linear(x, f"{fused}@{level}", packed, out=out if len(keys) == 1
+                                     and not biases else None)
+            widths = [self.source(key).shape[0] for key in group]
+            if biases:
+                y = self.op("Add", [y, self.weight(fused_name(
+                    [biases[keys.index(key)] for key in group]))], out=out)
+            parts = (self.op("Split", [y, self.ints(*widths)], axis=-1, outputs=len(group))
+                     if len(group) > 1 else [y])
+            outputs.update(zip(group, parts))
+        return [outputs[key] for key in keys]
+
+    def _int_linear(self, x: str, name: str, packed: PackedWeight, out: str | None) -> str:
+        """MatMulNBits, plus for asymmetric blocks their offsets times the input's block sums."""
+        names = [self._packed(name, part, value) for part, value in
+                 (("q", packed.data), ("scales", packed.scales))]
+        y = self.op("MatMulNBits", [x, *names], domain=MS_DOMAIN, K=packed.in_features,
+                    N=packed.out_features, bits=packed.bits, block_size=packed.block_size,
+                    accuracy_level=ACCURACY_LEVEL, out=None if packed.offsets is not None else out)
+        if packed.offsets is None:
+            return y
+        padding = packed.blocks * packed.block_size - packed.in_features
+        if padding:
+            x = self.op("Pad", [x, self.ints(0, 0, 0, 0, 0, padding)])
+        sums = self.op("ReduceSum", [self.op("Reshape", [x, self.ints(0, 0, packed.blocks, -1)]),
+                                     self.ints(-1)], keepdims=0)
+        offsets = self.op("FusedMatMul", [sums, self._packed(name, "offsets", packed.offsets)],
+                          domain=MS_DOMAIN, transB=1)
+        return self.op("Add", [y, offsets], out=out)
+
+    def _packed(self, key: str, part: str, value: np.ndarray) -> str:
+        name = f"{key}.{part}"
+        self.initializers.setdefault(name, value)
+        return name
+
+    def heads_first(self, x: str, heads: int, out: str | None = None) -> str:
+        """[B, T, heads * hd] -> [B, heads, T, hd]."""
+        y = self.op("Reshape", [x, self.ints(0, 0, heads, self.shape.head_dim)])
+        return self.op("Transpose", [y], perm=[0, 2, 1, 3], out=out)
+
+    def add_norm(self, x: str, residual: str | None, key: str) -> tuple[str, str]:
+        """(rms_norm(residual + x), residual + x): one fused node."""
+        if residual is None:
+            return self.rms_norm(x, key), x
+        names = [self.name("norm"), "", "", self.name("residual")]
+        self.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization",
+                                           [x, residual, self.weight(key)], names,
+                                           domain=MS_DOMAIN, epsilon=self.shape.eps))
+        return names[0], names[3]
+
+    def rms_norm(self, x: str, key: str) -> str:
+        return self.op("RMSNormalization", [x, self.weight(key)], axis=-1,
+                       epsilon=self.shape.eps)
+
+
+def build_step_graph(shape: StepShape, variant: StepVariant, source: Callable,
+                     qkv_bias: bool = False) -> tuple[onnx.ModelProto, dict]:
+    """The step graph of `variant` and its weights (name -> array, fed by the session, not
+    stored in the proto). `source(name)` gives a weight: a key of the checkpoint, keys joined
+    by "+" (their rows stacked), either with "@int8" / "@int4" (packed)."""
+    b = _Builder(shape, variant, source)
+    x = b.op("Gather", [b.weight("model.embed_tokens.weight"), "input_ids"], axis=0)
+    rotary = _rotary_tables(b, source("model.rotary_emb.inv_freq"))
+    splits = (None if variant.fused_attention else
+              b.op("Concat", [_dim(b, "past_key_0", 2), _dim(b, "input_ids", 1)], axis=0))
+    residual = None   # x = residual + the pending branch output (folded into the next norm)
+    for layer in range(shape.layers):
+        p = f"model.layers.{layer}."
+        h, residual = b.add_norm(x, residual, p + "input_layernorm.weight")
+        keys = [f"{p}self_attn.{kind}_proj" for kind in "qkv"]
+        q, k, v = b.linear(h, [key + ".weight" for key in keys],
+                           [key + ".bias" for key in keys] if qkv_bias else None)
+        q, k = (b.op("RotaryEmbedding", [y, "position_ids", *rotary], domain=MS_DOMAIN,
+                     num_heads=heads, interleaved=0)
+                for y, heads in ((q, shape.heads), (k, shape.kv_heads)))
+        if variant.fused_attention:
+            attended = b.op("GroupQueryAttention", [q, k, v, f"past_key_{layer}",
+                                                    f"past_value_{layer}", "seqlens_k",
+                                                    "total_sequence_length", "", "", "",
+                                                    "attention_bias"],
+                            domain=MS_DOMAIN, num_heads=shape.heads,
+                            kv_num_heads=shape.kv_heads,
+                            out=[b.name("attended"), f"present_key_{layer}",
+                                 f"present_value_{layer}"])[0]
+        else:
+            k, v = (b.heads_first(y, shape.kv_heads, f"new_{kind}_{layer}")
+                    for y, kind in ((k, "key"), (v, "value")))
+            attended = _attention(b, b.heads_first(q, shape.heads), k, v, layer, splits)
+        x = b.linear(attended, [p + "self_attn.o_proj.weight"])[0]
+        if layer in variant.skipped_mlps:
+            continue
+        h, residual = b.add_norm(x, residual, p + "post_attention_layernorm.weight")
+        gate, up = b.linear(h, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        x = b.linear(b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate])]), up]),
+                     [p + "mlp.down_proj.weight"])[0]
+    x = b.op("Gather", [b.op("Add", [residual, x]), "logit_positions"], axis=1)
+    b.linear(b.rms_norm(x, "model.norm.weight"), ["lm_head.weight"], out="logits")
+    return _model(b, shape, variant.fused_attention), b.initializers
+
+
+def _dim(b: _Builder, tensor: str, axis: int) -> str:
+    return b.op("Gather", [b.op("Shape", [tensor]), b.ints(axis)], axis=0)
+
+
+def _rotary_tables(b: _Builder, inv_freq: np.ndarray) -> tuple[str, str]:
+    """RotaryEmbedding's cos / sin caches [positions, head dim / 2] (HF's default rotary)."""
+    angles = np.outer(np.arange(b.shape.max_positions, dtype=np.float32),
+                      inv_freq.astype(np.float32))
+    return (b.const("cos_cache", np.cos(angles).astype(np.float32)),
+            b.const("sin_cache", np.sin(angles).astype(np.float32)))
+
+
+def _attention(b: _Builder, q: str, k: str, v: str, layer: int, splits: str) -> str:
+    """softmax(q [past_k ; k]^T / sqrt(hd) + bias) [past_v ; v] with q [B, H, T, hd] grouped
+    per K/V head; returns [B, T, H * hd]."""
+    hd, heads = b.shape.head_dim, b.shape.heads
+    grouped = b.op("Reshape", [q, b.ints(0, b.shape.kv_heads, -1, hd)])   # [B, kvh, g*T, hd]
+    scale = 1.0 / float(np.sqrt(hd))
+    past = b.op("FusedMatMul", [grouped, f"past_key_{layer}"], domain=MS_DOMAIN, transB=1,
+                alpha=scale)
+    new = b.op("FusedMatMul", [grouped, k], domain=MS_DOMAIN, transB=1, alpha=scale)
+    scores = b.op("Add", [b.op("Concat", [past, new], axis=-1), "attention_bias"])
+    past_probs, new_probs = b.op("Split", [b.op("Softmax", [scores], axis=-1), splits],
+                                 axis=-1, outputs=2)
+    out = b.op("Add", [b.op("MatMul", [past_probs, f"past_value_{layer}"]),
+                       b.op("MatMul", [new_probs, v])])                      # [B, kvh, g*T, hd]
+    out = b.op("Transpose", [b.op("Reshape", [out, b.ints(0, heads, -1, hd)])],
+               perm=[0, 2, 1, 3])
+    return b.op("Reshape", [out, b.ints(0, 0, heads * hd)])
+
+
+def _model(b: _Builder, shape: StepShape, fused_attention: bool) -> onnx.ModelProto:
+    float_, int32 = TensorProto.FLOAT, TensorProto.INT32
+    cache_dims = ["B", shape.kv_heads, "S", shape.head_dim]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["B", "T"]),
+              helper.make_tensor_value_info("logit_positions", TensorProto.INT64, ["K"])]
+    outputs = [helper.make_tensor_value_info("logits", float_, ["B", "K", shape.vocab])]
+    if fused_attention:
+        inputs += [helper.make_tensor_value_info("attention_bias", float_, ["B", 1, "T", "L"]),
+                   helper.make_tensor_value_info("seqlens_k", int32, ["B"]),
+                   helper.make_tensor_value_info("total_sequence_length", int32, [])]
+        written = "present"
+    else:
+        inputs.append(helper.make_tensor_value_info("attention_bias", float_,
+                                                    ["B", 1, "GT", "ST"]))
+        cache_dims[2], written = "T", "new"
+    for layer in range(shape.layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(
+                f"past_{kind}_{layer}", float_, ["B", shape.kv_heads, "S", shape.head_dim]))
+            outputs.append(helper.make_tensor_value_info(f"{written}_{kind}_{layer}", float_,
+                                                         cache_dims))
+    graph = helper.make_graph(b.nodes, "rbcompile_step", inputs, outputs,
+                              b.constants + [_placeholder(name, value)
+                                             for name, value in b.initializers.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                   helper.make_opsetid(MS_DOMAIN, 1)])
+
+
+def _placeholder(name: str, value: np.ndarray) -> TensorProto:
+    """An initializer whose data the session gets from the caller (`add_external_initializers`):
+    the proto holds only its name, type and shape."""
+    tensor = TensorProto()
+    tensor.name, tensor.data_type = name, helper.np_dtype_to_tensor_dtype(value.dtype)
+    tensor.dims.extend(value.shape)
+    tensor.data_location = TensorProto.EXTERNAL
+    location = tensor.external_data.add()
+    location.key, location.value = "location", "fed-by-rbcompile"
+    return tensor

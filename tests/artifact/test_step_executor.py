@@ -1,0 +1,183 @@
+"""The onnxruntime step executor (artifact/step_executor.py, step_graph.py): its steps equal the
+torch decoder's (prefill with pads, decode, several tokens per row, MLPs gated off, unpadded
+prefill), generate gives HF's greedy tokens through it, the executor choice and the precision
+rules (artifact/executors.py), and on real SmolLM2 weights the int4 level reproduces the
+shipped 4-bit values."""
+import pytest
+import torch
+
+import rbcompile
+from rbcompile.artifact.executors import StoredPrecision, check_precision
+from rbcompile.artifact.guard import QualityGuard
+from rbcompile.errors import UserError
+from rbcompile.runtime.engine.kv_cache import step_inputs
+
+from shared import DECODER_PROMPTS, hf_new_tokens
+
+# The executor sums in another order than torch: its logits agree to fp32 rounding of the
+# tiny model's (|logits| ~ 1), not bit for bit; the torch executor stays the reference.
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def llama(compiled_tiny):
+    compiled, eager = compiled_tiny["llama"]
+    model = rbcompile.load(compiled.save(__import__("tempfile").mkdtemp() + "/llama"))
+    return model, eager
+
+
+def _cache(decoder, rows, slots):
+    shape = decoder.shape
+    return [torch.zeros(rows, shape.kv_heads, slots, shape.head_dim)
+            for _ in range(2 * shape.layers)]
+
+
+def _both(model, gates=None):
+    """A step function running the torch decoder and the executor on their own caches,
+    asserting equal logits and equal cache contents at the written slots."""
+    decoder = model.decoder
+    executor = model.decoder.executor
+
+    def run(caches, ids, mask, positions, slots, logit_positions):
+        expected = decoder.__class__.__call__(_torch_only(decoder), ids, mask, positions,
+                                              slots, logit_positions, caches[0], gates)
+        got = executor(ids, mask, positions, slots, logit_positions, caches[1], gates)
+        assert (got - expected).abs().max() <= ATOL
+        kept = mask[:, slots].bool()    # pad slots hold values no query reads
+        for reference, written in zip(*caches):
+            difference = (reference[:, :, slots] - written[:, :, slots]).abs().amax(dim=(1, 3))
+            assert difference[kept].max() <= ATOL
+        return expected
+    return run
+
+
+def _torch_only(decoder):
+    clone = object.__new__(type(decoder))
+    clone.__dict__.update(decoder.__dict__, executor=None, precision=None)
+    return clone
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["full", "mlp-off"])
+def test_executor_steps_equal_the_torch_decoder(llama, gated):
+    model, _ = llama
+    assert model.use_executor("onnxruntime") == "onnxruntime"
+    gates = None
+    if gated:
+        gates = [True] * model.decoder.num_gates
+        gates[1] = False
+    run = _both(model, gates)
+    slots = 24
+    caches = (_cache(model.decoder, 2, slots), _cache(model.decoder, 2, slots))
+    pads = torch.tensor([0, 3])
+    ids = torch.randint(3, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask, positions, where = step_inputs(pads, 0, 8, slots)
+    run(caches, ids, mask, positions, where, torch.tensor([7]))      # 2 rows x 8: plain ops
+    for start, count in ((8, 1), (9, 3), (12, 1)):                    # decode, then drafts
+        mask, positions, where = step_inputs(pads, start, count, slots)
+        run(caches, ids[:, :count], mask, positions, where, torch.arange(count))
+    one = (_cache(model.decoder, 1, slots), _cache(model.decoder, 1, slots))
+    for start, count in ((0, 6), (6, 3), (9, 1)):   # one row: GroupQueryAttention, in place
+        mask, positions, where = step_inputs(torch.tensor([0]), start, count, slots)
+        run(one, ids[:1, :count], mask, positions, where, torch.arange(count))
+    model.use_executor("torch")
+
+
+def test_unpadded_prefill_takes_no_mask(llama):
+    model, _ = llama
+    model.use_executor("onnxruntime")
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(1))
+    _, positions, where = step_inputs(torch.tensor([0]), 0, 5, 16)
+    with_mask = model.decoder(ids, torch.ones(1, 16, dtype=torch.long), positions, where,
+                              torch.tensor([4]), _cache(model.decoder, 1, 16))
+    without = model.decoder(ids, None, positions, where, torch.tensor([4]),
+                            _cache(model.decoder, 1, 16))
+    assert torch.equal(with_mask, without)
+    model.use_executor("torch")
+
+
+@pytest.mark.parametrize("speculate", ["off", "ngram"])
+def test_generate_through_the_executor_gives_hf_greedy_tokens(llama, speculate):
+    model, eager = llama
+    model.use_executor("onnxruntime")
+    mask = (DECODER_PROMPTS != 0).long()
+    result = model.generate(DECODER_PROMPTS, mask, max_new_tokens=10, speculate=speculate)
+    assert result.tokens == hf_new_tokens(eager, DECODER_PROMPTS, mask, 10)
+    model.use_executor("torch")
+
+
+def test_low_precision_changes_little_on_the_tiny_model(llama):
+    model, _ = llama
+    mask = (DECODER_PROMPTS != 0).long()
+    full = model(DECODER_PROMPTS, mask)["logits"]
+    from rbcompile.artifact.step_executor import sequence_logits
+    shape = model.decoder.shape
+    for level in ("int8", "int4"):
+        model.use_executor("onnxruntime", level)
+        assert set(model.decoder.precision.values()) == {"int8", level}
+        logits = sequence_logits(model.decoder, DECODER_PROMPTS, mask, shape.kv_heads,
+                                 shape.head_dim, shape.layers)
+        real = mask.bool()
+        assert (logits[real] - full[real]).abs().max() <= 0.1 * full[real].abs().max()
+    model.use_executor("torch")
+    assert model.decoder.executor is None and model.decoder.precision is None
+
+
+def test_executor_choice_and_its_refusals(llama, compiled_tiny):
+    model, _ = llama
+    gpt2 = compiled_tiny["gpt2"][0]
+    assert gpt2.use_executor("auto") == "torch"
+    with pytest.raises(UserError, match="cannot run this model: GPT2LMHeadModel is not one of"):
+        gpt2.use_executor("onnxruntime")
+    with pytest.raises(UserError, match="int4 weights need the onnxruntime executor"):
+        gpt2.use_executor("auto", "int4")
+    with pytest.raises(UserError, match="executor must be one of"):
+        model.use_executor("tensorrt")
+    assert model.use_executor("auto") == "onnxruntime"
+    model.use_executor("torch")
+
+
+def test_precision_runs_only_within_the_guard(llama):
+    model, _ = llama
+    guard = QualityGuard(0.03)
+    check_precision(model, "fp32", guard)
+    with pytest.raises(UserError, match="int8 weights was never measured"):
+        check_precision(model, "int8", guard)
+    check_precision(model, "int8", QualityGuard(0.03, allow_unmeasured=True))
+    saved = model.manifest.get("precisions")
+    model.manifest["precisions"] = [StoredPrecision("int4", 0.05, {}).to_json()]
+    try:
+        with pytest.raises(UserError, match="costs quality loss 0.050 .* over the guard's 0.03"):
+            check_precision(model, "int4", guard)
+        check_precision(model, "int4", QualityGuard(0.06))
+    finally:
+        if saved is None:
+            model.manifest.pop("precisions")
+        else:
+            model.manifest["precisions"] = saved
+
+
+@pytest.mark.real
+def test_smollm2_executor_reproduces_the_shipped_weights_and_hf_tokens():
+    """Real weights: SmolLM2-135M (a GGUF of Q4_1 blocks and a Q8_0 head) cut to 4 layers:
+    the int4 level's weights are the shipped values exactly, and greedy decoding through the
+    executor at fp32 gives HF's tokens."""
+    from transformers import AutoTokenizer
+
+    from rbcompile.artifact.models import load_hf_model, resolve_checkpoint
+    from rbcompile.kernels.int_weights import dequantize
+
+    path = resolve_checkpoint("smollm2-135m")
+    eager = load_hf_model(path)
+    eager.model.layers = eager.model.layers[:4]
+    eager.config.num_hidden_layers = 4
+    model = rbcompile.load(rbcompile.compile(eager).save(__import__("tempfile").mkdtemp() + "/s"))
+    model.use_executor("onnxruntime", "int4")
+    executor = model.decoder.executor
+    for key, level in (("model.layers.2.mlp.down_proj.weight", "int4"),
+                       ("lm_head.weight", "int8")):
+        assert torch.equal(dequantize(executor.array(f"{key}@{level}")), executor.tensors[key])
+    model.use_executor("onnxruntime", "fp32")
+    batch = AutoTokenizer.from_pretrained(path)(["The capital of France is"], return_tensors="pt")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert model.generate(ids, mask, max_new_tokens=12).tokens == hf_new_tokens(
+        eager, ids, mask, 12)

@@ -1,0 +1,83 @@
+"""Integer weights (kernels/int_weights.py): the packing against its PyTorch reference, and
+onnxruntime's MatMulNBits, as the step graph calls it, against `reference_linear` over odd
+shapes (inputs that are not whole blocks, one row and several)."""
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from rbcompile.artifact.step_graph import MS_DOMAIN, StepShape, StepVariant, _Builder
+from rbcompile.kernels.int_weights import dequantize, quantize, reference_linear
+
+# |graph - reference| <= TOLERANCE * max |reference|: MatMulNBits rounds its inputs to int8
+# per block (accuracy level 4, the fast kernels), which costs about 1% of the output's scale
+TOLERANCE = {8: 0.03, 4: 0.03}
+
+
+def _graph_linear(packed, x: torch.Tensor) -> torch.Tensor:
+    """One int linear as the step graph builds it (`_Builder._int_linear`), run in onnxruntime."""
+    builder = _Builder(StepShape(1, packed.in_features, 1, 1, 1, 1, 1e-5, 1), StepVariant(),
+                       source=lambda name: packed)
+    y = builder._int_linear("x", "w", packed, out="y")
+    graph = helper.make_graph(
+        builder.nodes, "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, packed.in_features])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, None, packed.out_features])],
+        builder.constants + [
+            __import__("onnx").numpy_helper.from_array(value, name)
+            for name, value in builder.initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
+                                                    helper.make_opsetid(MS_DOMAIN, 1)])
+    session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("out_features,in_features", [(7, 32), (96, 100), (33, 576), (64, 48)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_matmul_nbits_matches_the_reference(bits, out_features, in_features, rows):
+    generator = torch.Generator().manual_seed(out_features * in_features + bits)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    x = torch.randn(1, rows, in_features, generator=generator)
+    packed = quantize(weight, bits)
+    expected = reference_linear(x, packed)
+    got = _graph_linear(packed, x)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() <= TOLERANCE[bits] * expected.abs().max()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantization_error_is_at_most_half_a_step(bits):
+    weight = torch.randn(40, 100) * 0.1
+    packed = quantize(weight, bits, block_size=32)
+    error = (dequantize(packed) - weight).abs()
+    steps = torch.from_numpy(packed.scales).view(40, -1).repeat_interleave(32, dim=1)[:, :100]
+    assert (error <= steps / 2 + 1e-7).all()
+    assert packed.data.shape == (40, 4, 32 * bits // 8)
+    assert (packed.offsets is None) == (bits == 8)
+
+
+def test_gguf_blocks_come_back_exactly():
+    """A Q4_1 block (d * q + m, q in 0..15) is an int4 block exactly; a Q8_0 block (d * q, q in
+    -127..127 with its extreme reached) is an int8 block exactly."""
+    generator = torch.Generator().manual_seed(1)
+    d = torch.rand(16, 3, 1, generator=generator) * 0.01 + 1e-3
+    m = -torch.rand(16, 3, 1, generator=generator) * 0.05
+    q = torch.randint(0, 16, (16, 3, 32), generator=generator).float()
+    q[..., 0], q[..., 1] = 0, 15
+    q4_1 = (d * q + m).view(16, 96)
+    assert torch.allclose(dequantize(quantize(q4_1, 4)), q4_1, rtol=0, atol=1e-6)
+    q8 = torch.randint(-127, 128, (16, 3, 32), generator=generator).float()
+    q8[..., 0] = 127
+    q8_0 = (d * q8).view(16, 96)
+    assert torch.allclose(dequantize(quantize(q8_0, 8)), q8_0, rtol=0, atol=1e-6)
+
+
+def test_bad_levels_are_refused():
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantize(torch.zeros(4, 32), 3)
+    with pytest.raises(ValueError, match="block_size"):
+        quantize(torch.zeros(4, 32), 4, block_size=24)
+    assert np.array_equal(dequantize(quantize(torch.zeros(4, 32), 4)).numpy(), np.zeros((4, 32)))
