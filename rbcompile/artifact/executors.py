@@ -66,20 +66,20 @@ def onnxruntime_reason(compiled) -> str | None:
     return None
 
 
-def check_precision(compiled, weights: str, guard: QualityGuard) -> None:
+def check_precision(manifest: dict, weights: str, guard: QualityGuard) -> None:
     """Refuse (UserError) `weights` where its measured loss is over `guard`, or where it was
     never measured and `guard` runs measured plans only."""
     if weights not in WEIGHT_LEVELS:
         raise UserError(f"weights must be one of {', '.join(WEIGHT_LEVELS)}, got {weights!r}")
     if weights == "fp32":
         return
-    measured = stored_precisions(compiled.manifest).get(weights)
+    measured = stored_precisions(manifest).get(weights)
     loss = None if measured is None else measured.decoder_quality_loss
     if not guard.allows(loss):
-        why = ("was never measured on this artifact (compile it with --precisions "
-               f"{weights}, or pass --allow-unmeasured)" if loss is None else
-               f"costs quality loss {loss:.3f} on held-out text, over the guard's "
-               f"{guard.max_quality_loss:g} (raise --max-quality-loss to run it)")
+        why = ("were never measured on this artifact (compile it with --precisions "
+               f"{weights}, or pass --allow-unmeasured-plans)" if loss is None else
+               f"cost quality loss {loss:.3f} on held-out text, over the guard's "
+               f"{guard.max_quality_loss:g} (raise --max-quality-loss to run them)")
         raise UserError(f"{weights} weights {why}")
 
 

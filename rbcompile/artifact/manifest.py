@@ -142,6 +142,7 @@ def validate(manifest: dict, where) -> None:
     if draft is not None and not (isinstance(draft, dict) and (
             draft.get("budget") is None or (_number(draft["budget"]) and 0 < draft["budget"] <= 1))):
         _fail(where, "decoder.draft.budget must be null or in (0, 1]")
+    _check_precisions(where, manifest.get("precisions"))
     plans = manifest.get("plans")
     if plans is None:
         return
@@ -164,6 +165,18 @@ def validate(manifest: dict, where) -> None:
                 _fail(where, f"plan {plan['budget']}: {key} must be null or a number >= 0")
     if not any(plan["budget"] == 0 for plan in plans):
         _fail(where, "plans must include budget 0 (the full path)")
+
+
+def _check_precisions(where, precisions) -> None:
+    """The weight levels calibration measured (artifact/executors.py StoredPrecision)."""
+    if precisions is None:
+        return
+    if not isinstance(precisions, list) or not all(
+            isinstance(entry, dict) and entry.get("level") in ("int8", "int4")
+            and _number(entry.get("decoder_quality_loss")) and entry["decoder_quality_loss"] >= 0
+            and isinstance(entry.get("heldout"), dict) for entry in precisions):
+        _fail(where, "precisions must be a list of {level: int8 | int4, decoder_quality_loss "
+                     ">= 0, heldout}")
 
 
 def verify_files(path: Path, manifest: dict) -> int:

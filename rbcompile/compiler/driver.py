@@ -11,6 +11,7 @@ from rbcompile import __version__
 from rbcompile.artifact.architectures import DECODER, ENCODER, lookup
 from rbcompile.artifact.codegen import generate_source
 from rbcompile.artifact.decoder import Decoder, DecoderShape
+from rbcompile.artifact.executors import onnxruntime_reason
 from rbcompile.artifact.heads import is_pretraining_head, labels, module_head
 from rbcompile.artifact.ir import build_ir
 from rbcompile.artifact.models import (
@@ -31,6 +32,7 @@ from rbcompile.compiler.calibrate import (
     measure_importance,
     measure_width_importance,
 )
+from rbcompile.compiler.precision import LOW_LEVELS, measure_precisions
 from rbcompile.compiler.trace import (
     cached_example_inputs,
     example_inputs,
@@ -290,7 +292,7 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                   calib_samples: int | None = None, calib_seq: int | None = None,
                   width_levels=DEFAULT_LEVELS, width_floor: float = 0.5, calib_head=None,
                   kernels: bool | None = None, device=None, dtype=None, calib_budgets=None,
-                  stack_projections: bool | None = None):
+                  stack_projections: bool | None = None, precisions=None):
     """Compile a bundled model name, a checkpoint folder or a loaded transformers model;
     with `calib` (a text source), also calibrate importance and budget plans; with `kernels`,
     fuse norms, activations, rotaries and cache writes into rbcompile's kernels
@@ -300,7 +302,9 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     (passes/fuse_projections.py; default: on CUDA, where it saves kernel launches; on CPU it
     measured no faster, `benchmarks/bench_stacking.py`).
     `calib_budgets`: the budgets plans are made for (default calibrate.BUDGET_GRID, 0.05 to
-    0.5); the greedy search stops at the largest.
+    0.5); the greedy search stops at the largest. `precisions`: the weight levels
+    to measure (compiler/precision.py; "auto": int8 and int4 where onnxruntime runs the model;
+    None: "auto" when calibrating, else none).
 
     `dtype` (fp32 / bf16 / fp16; default: the model's own, fp32 for checkpoints) is the
     precision the graph is traced and runs in; `device` where it is traced and placed (a loaded
@@ -322,7 +326,6 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     arch["dtype"] = dtype_name(model_dtype)
     calibration = None
     if calib is not None:
-
         calibration = prepare_calibration(tokenizer, architecture.family,
                                           dims.max_positions, calib, calib_samples, calib_seq,
                                           width_levels, width_floor, calib_head,
@@ -359,8 +362,32 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
                     hf_config=model.config.to_dict(), decoder=decoder)
     compiled = Model(manifest=manifest, **artifact)
     if calibration is None:
+        if precisions and decoder is not None and checkpoint is not None:  # the bundled text
+            _measure_precisions(compiled, lambda: _heldout_text(compiled.tokenizer, dims),
+                                precisions)
         return compiled
-    return _calibrated(compiled, artifact, calibration, ctx)
+    return _calibrated(compiled, artifact, calibration, ctx, precisions)
+
+
+PRECISION_SAMPLES, PRECISION_SEQ = 16, 256  # windows of the bundled text (a quarter held out)
+
+
+def _measure_precisions(compiled, batches, precisions) -> None:
+    """The manifest's `precisions`: each weight level measured on held-out `batches()`;
+    "auto": int8 and int4 where the onnxruntime executor runs the model."""
+    if precisions == "auto":
+        precisions = LOW_LEVELS if onnxruntime_reason(compiled) is None else ()
+    if precisions:
+        with step(f"measuring {', '.join(precisions)} weights on held-out text (onnxruntime)"):
+            stored = measure_precisions(compiled, batches(), precisions)
+        compiled.manifest["precisions"] = [level.to_json() for level in stored]
+
+
+def _heldout_text(tokenizer, dims) -> list:
+    """Held-out batches of the bundled calibration text (precisions measured without --calib)."""
+    texts, _ = load_labelled("default")
+    return make_batches(tokenizer, texts, DECODER, seq_len=min(PRECISION_SEQ, dims.max_positions),
+                        samples=PRECISION_SAMPLES, batch_size=2).heldout
 
 
 def _order_by_importance(model, gm, ctx: PassContext, calibration) -> None:
@@ -375,9 +402,9 @@ def _order_by_importance(model, gm, ctx: PassContext, calibration) -> None:
     run_pipeline(gm, ctx, CALIBRATED_PIPELINE)
 
 
-def _calibrated(compiled, artifact: dict, calibration, ctx: PassContext):
-    """`compiled` with its measured plans, its self-speculation draft plan (decoders) and its
-    early-exit off-ramps (with a task head)."""
+def _calibrated(compiled, artifact: dict, calibration, ctx: PassContext, precisions=None):
+    """`compiled` with its measured plans, its self-speculation draft plan and weight
+    precisions (decoders) and its early-exit off-ramps (with a task head)."""
     importance, plans = choose_plans(compiled, calibration)
     manifest = {**compiled.manifest, "plans": [plan.to_json() for plan in plans], "calibration": {
         "source": calibration.source, "samples": calibration.samples, "seq": calibration.seq,
@@ -388,6 +415,8 @@ def _calibrated(compiled, artifact: dict, calibration, ctx: PassContext):
         with step("choosing the self-speculation draft plan (acceptance x cost)"):
             calibrated.decoder.draft = choose_draft_plan(calibrated, calibration)
         say(f"  self-speculation drafts with budget {calibrated.decoder.draft['budget']}")
+        _measure_precisions(calibrated, lambda: calibration.batches.heldout,
+                            "auto" if precisions is None else precisions)
     if calibration.head is not None:
         batches = calibration.batches
         with step("training early-exit off-ramps"):

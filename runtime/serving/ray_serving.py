@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from rbcompile.artifact import manifest as manifests
+from rbcompile.artifact.executors import check_precision
 from rbcompile.artifact.guard import DECODER, QualityGuard, lossy_budgets
 from rbcompile.artifact.plans import stored_plans
 from rbcompile.errors import UserError
@@ -238,6 +239,9 @@ def app_builder(artifact: str, actor, config: ServeConfig) -> Callable:
 
         replica = serve.get_replica_context().replica_tag
         model = load(artifact)
+        check_precision(model.manifest, config.weights, config.guard or model.guard)
+        if model.decoder is not None:
+            model.use_executor(config.executor, config.weights)
         policy = ClusterPolicy.for_actor(actor, replica)
         app = create_app(model, config, policy=policy)
 

@@ -22,7 +22,9 @@ class ServeConfig:
     exact repeats come from a result cache of `result_cache_mb` MiB (0: none). `watermarks`:
     memory levels of admission (runtime/control/admission.py). `policy`: who sets the budget of
     completions that bring none (runtime/serving/serve_policy.py), within `guard` (None: the
-    artifact's own) and the live agreement checks of `quality_loop`."""
+    artifact's own) and the live agreement checks of `quality_loop`. `executor` and `weights`:
+    what runs the decode steps, at which weight precision (rbcompile/artifact/executors.py;
+    the CLI applies them, Ray replicas when they load the artifact)."""
     api_key: str | None = None
     limits: ServeLimits = field(default_factory=ServeLimits)
     max_batch: int = 16
@@ -33,6 +35,8 @@ class ServeConfig:
     policy: PolicyOptions = field(default_factory=PolicyOptions)
     guard: QualityGuard | None = None
     quality_loop: QualityLoopConfig = field(default_factory=QualityLoopConfig)
+    executor: str = "auto"
+    weights: str = "fp32"
 
     @property
     def slo_s(self) -> float:

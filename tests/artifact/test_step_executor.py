@@ -139,16 +139,16 @@ def test_executor_choice_and_its_refusals(llama, compiled_tiny):
 def test_precision_runs_only_within_the_guard(llama):
     model, _ = llama
     guard = QualityGuard(0.03)
-    check_precision(model, "fp32", guard)
-    with pytest.raises(UserError, match="int8 weights was never measured"):
-        check_precision(model, "int8", guard)
-    check_precision(model, "int8", QualityGuard(0.03, allow_unmeasured=True))
+    check_precision(model.manifest, "fp32", guard)
+    with pytest.raises(UserError, match="int8 weights were never measured"):
+        check_precision(model.manifest, "int8", guard)
+    check_precision(model.manifest, "int8", QualityGuard(0.03, allow_unmeasured=True))
     saved = model.manifest.get("precisions")
     model.manifest["precisions"] = [StoredPrecision("int4", 0.05, {}).to_json()]
     try:
-        with pytest.raises(UserError, match="costs quality loss 0.050 .* over the guard's 0.03"):
-            check_precision(model, "int4", guard)
-        check_precision(model, "int4", QualityGuard(0.06))
+        with pytest.raises(UserError, match="cost quality loss 0.050 .* over the guard's 0.03"):
+            check_precision(model.manifest, "int4", guard)
+        check_precision(model.manifest, "int4", QualityGuard(0.06))
     finally:
         if saved is None:
             model.manifest.pop("precisions")

@@ -42,6 +42,9 @@ def test_compile_writes_complete_artifact(llama_artifact):
     kinds = {r["kind"] for r in manifest["regions"]}
     assert kinds == {"skeleton", "prunable", "cache"}
     assert all("module_path" in r and "flops_share" in r for r in manifest["regions"])
+    assert [p["level"] for p in manifest["precisions"]] == ["int8", "int4"]  # measured at compile
+    assert all(0 <= p["decoder_quality_loss"] <= 1 and "perplexity" in p["heldout"]
+               for p in manifest["precisions"])
 
 
 def test_inspect_table_json_and_budget(llama_artifact, capsys):
@@ -90,6 +93,23 @@ def test_run_votes_over_samples(llama_artifact, capsys):
     first = capsys.readouterr().out
     assert first.startswith("'the time of his' -> ") and re.search(r"from [1-3] of 3 answers", first) and "1 prefill" in first
     assert main(argv) == 0 and capsys.readouterr().out.splitlines()[0] == first.splitlines()[0]
+
+
+def test_run_weights_within_the_guard(llama_artifact, capsys):
+    """--weights runs a precision only where its loss measured at compile is within
+    --max-quality-loss; the executor that runs it is onnxruntime."""
+    manifest = json.loads((llama_artifact / "manifest.json").read_text())
+    loss = {p["level"]: p["decoder_quality_loss"] for p in manifest["precisions"]}["int4"]
+    argv = ["run", str(llama_artifact), "--text", "the time of his", "--max-new-tokens", "4",
+            "--weights", "int4"]
+    assert main(argv + ["--max-quality-loss", str(loss / 2)]) == 2
+    assert f"int4 weights cost quality loss {loss:.3f}" in _error_line(capsys)
+    assert main(argv + ["--max-quality-loss", str(loss)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("'the time of his' -> ")
+    assert f"int4 weights (quality loss {loss:.3f} measured) on onnxruntime" in captured.err
+    assert main(argv + ["--max-quality-loss", "1", "--executor", "torch"]) == 2
+    assert "int4 weights need the onnxruntime executor" in _error_line(capsys)
 
 
 @pytest.mark.parametrize("flags,message", [

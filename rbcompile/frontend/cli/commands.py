@@ -26,7 +26,8 @@ def _cmd_compile(args) -> None:
                               calib_head=args.calib_head, calib_budgets=args.calib_budgets,
                               kernels=args.kernels,
                               device=args.device, dtype=args.dtype,
-                              stack_projections=args.stack_projections)
+                              stack_projections=args.stack_projections,
+                              precisions=args.precisions)
     if args.verbose:
         for entry in model.manifest["passes"]:
             say(f"  pass {entry['pass']}: {entry['summary']}")

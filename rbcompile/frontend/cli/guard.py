@@ -36,6 +36,23 @@ def _unmeasured_plans(model) -> int:
     return sum(plan.loss(path) is None for plan in _lossy_plans(model))
 
 
+def _use_executor(model, executor: str, weights: str, guard) -> str:
+    """Run `model`'s decode steps with `executor` at `weights` (--executor, --weights), which
+    must be within `guard`; one line on stderr where the weights are not fp32."""
+    from rbcompile.artifact.executors import check_precision, stored_precisions
+
+    check_precision(model.manifest, weights, guard)
+    if model.decoder is None:
+        return "torch"
+    chosen = model.use_executor(executor, weights)
+    if weights != "fp32":
+        measured = stored_precisions(model.manifest).get(weights)
+        loss = "unmeasured" if measured is None else (
+            f"quality loss {measured.decoder_quality_loss:.3f} measured")
+        print(f"rbcompile: {weights} weights ({loss}) on {chosen}", file=sys.stderr)
+    return chosen
+
+
 def _guard_from(args):
     """The QualityGuard of --max-quality-loss and --allow-unmeasured-plans."""
     from rbcompile.artifact.guard import QualityGuard

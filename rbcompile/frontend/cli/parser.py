@@ -33,6 +33,18 @@ def _levels(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _precisions(text: str) -> tuple[str, ...] | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    levels = () if text.strip().lower() in ("", "none") else tuple(
+        dict.fromkeys(part.strip() for part in text.split(",")))
+    unknown = [level for level in levels if level not in ("int8", "int4")]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"precisions are among int8,int4 (or none), got "
+                                         f"{', '.join(unknown)}")
+    return levels
+
+
 def _guard_options(parser) -> None:
     from rbcompile.artifact.guard import DEFAULT_MAX_QUALITY_LOSS
     parser.add_argument("--max-quality-loss", type=float, default=DEFAULT_MAX_QUALITY_LOSS,
@@ -43,6 +55,18 @@ def _guard_options(parser) -> None:
                         help="let budgets run plans with no measured quality cost (an "
                         "uncalibrated artifact's fixed skip order); without it they run the "
                         "full path")
+
+
+def _executor_options(parser) -> None:
+    parser.add_argument("--executor", choices=("auto", "torch", "onnxruntime"), default="auto",
+                        help="decoders: what runs the KV-cached decode steps: onnxruntime (one "
+                        "graph per plan, no per-op overhead), torch (the generated module op "
+                        "by op, the reference), auto (default: onnxruntime where it runs the "
+                        "model, a Llama-family fp32 decoder on the CPU)")
+    parser.add_argument("--weights", choices=("fp32", "int8", "int4"), default="fp32",
+                        help="decoders, onnxruntime executor: weight precision (int4 keeps the "
+                        "vocabulary head int8); allowed where its quality loss measured at "
+                        "compile is within --max-quality-loss")
 
 
 def _placement_options(parser, device_help: str, dtype_help: str) -> None:
@@ -101,6 +125,10 @@ def _add_compile(sub) -> None:
                    "(default: on with --device cuda, off on cpu, where it measured no faster)")
     _placement_options(p, "trace and compile on this device (default cpu)",
                        "precision the graph is traced and runs in: fp32 (default), bf16, fp16")
+    p.add_argument("--precisions", type=_precisions, default="auto", metavar="LEVELS",
+                   help="decoders: weight precisions to measure on held-out text for `run` / "
+                   "`serve --weights` (comma-separated among int8,int4, or none; default "
+                   "auto: int8,int4 where the onnxruntime executor runs the model)")
     p.add_argument("--dump-pass", help="write the graph before/after this pass to ./rbcompile-dump")
     p.add_argument("-v", "--verbose", action="store_true", help="log every pass")
 
@@ -141,6 +169,7 @@ def _add_run(sub) -> None:
     _placement_options(p, "run on this device (default cpu)",
                        "must be the dtype the artifact was compiled in (a check)")
     _guard_options(p)
+    _executor_options(p)
     p.add_argument("--engine", choices=("torch", "onnxruntime"), default="torch",
                    help="torch (default): the generated PyTorch module; onnxruntime: its ONNX "
                    "export, fed the same gates as the graph input `gates`")
@@ -238,6 +267,7 @@ def _add_serve(sub) -> None:
                    "live agreement is under the guard (default 16; 0: no checks)")
     _placement_options(p, "serve on this device (default cpu)",
                        "must be the dtype the artifact was compiled in (a check)")
+    _executor_options(p)
     p.add_argument("--compile-plans", action="store_true", help="run the model and the decoder "
                    "through one inductor graph per plan (a plan's first use compiles it: tens "
                    "of seconds)")

@@ -7,7 +7,12 @@ import sys
 import threading
 from functools import partial
 
-from rbcompile.frontend.cli.guard import _guard_leaves, _quality_guard, _serving_budgets
+from rbcompile.frontend.cli.guard import (
+    _guard_leaves,
+    _quality_guard,
+    _serving_budgets,
+    _use_executor,
+)
 from rbcompile.frontend.cli.serve_options import limits_from, serve_config
 
 # Deferred on purpose: the commands import the rest of rbcompile (and torch) when they run,
@@ -45,6 +50,7 @@ def _cmd_serve(args) -> None:
     sock = connections.bind(args.host, args.port)   # a port in use: refused before loading
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
     _quality_guard(args, model)
+    _use_executor(model, config.executor, config.weights, model.guard)
     if args.compile_plans:
         model.compile_plans()
     if args.cuda_graphs:
@@ -72,6 +78,12 @@ def _serve_ray(args, config) -> None:
     if args.replicas < 1 or not args.replica_cpus > 0:
         raise UserError("--replicas must be >= 1 and --replica-cpus > 0")
     import_ray()  # the one-line error without the extra, before anything starts
+    from pathlib import Path
+
+    from rbcompile.artifact import manifest
+    from rbcompile.artifact.executors import check_precision
+    from rbcompile.frontend.cli.guard import _guard_from
+    check_precision(manifest.read(Path(args.artifact)), config.weights, _guard_from(args))
     serve_on_ray(args, config)
 
 

@@ -72,4 +72,5 @@ def serve_config(args: argparse.Namespace, api_key: str | None):
                        result_cache_mb=args.result_cache_mb,
                        policy=PolicyOptions(args.policy, args.budget, args.slo_ms, args.policy_file),
                        guard=_guard_from(args),
-                       quality_loop=QualityLoopConfig(check_every=args.quality_check_every))
+                       quality_loop=QualityLoopConfig(check_every=args.quality_check_every),
+                       executor=args.executor, weights=args.weights)
