@@ -1,5 +1,8 @@
 """Generation speed: rbcompile's KV-cached `generate` (speculate off / ngram / self / auto)
-against transformers' `generate` on the same weights, greedy, on real text (issue 15).
+against transformers' `generate` on the same weights, greedy, on real text (issue 15); the
+decode steps run op by op in torch ("rbcompile", "engine") or as onnxruntime graphs
+("onnxruntime", issue 45) at fp32, int8 or int4 weights (low precisions change tokens: their
+"identical" column is their quality, and they are left out of the identity target).
 
 Three workloads, prompts cut at deterministic offsets:
   continuation  open continuation of literature (Emma, Macbeth, The Tempest), 64-128 tokens;
@@ -56,7 +59,12 @@ MANUAL = ["usr_02.txt", "motion.txt", "usr_03.txt", "change.txt", "usr_04.txt", 
 WORKLOADS = ("continuation", "grounded", "technical")
 MODES = ("off", "ngram", "self", "auto")
 ENGINE_MODES = ("off", "ngram")
-CONTENDERS = ("HF generate", *(f"rbcompile {m}" for m in MODES), *(f"engine {m}" for m in ENGINE_MODES))
+# the onnxruntime step executor (rbcompile/artifact/executors.py): (weights, speculate) each
+EXECUTED = (("fp32", "off"), ("fp32", "ngram"), ("fp32", "auto"), ("int8", "off"),
+            ("int4", "off"), ("int4", "ngram"))
+ORT = {f"onnxruntime{'' if w == 'fp32' else ' ' + w} {m}": (w, m) for w, m in EXECUTED}
+CONTENDERS = ("HF generate", *(f"rbcompile {m}" for m in MODES), *ORT,
+              *(f"engine {m}" for m in ENGINE_MODES))
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -158,8 +166,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_contenders(compiled, eager, eos: set[int], pad: int, new_tokens: int):
-    """name -> fn(input_ids, attention_mask) -> (tokens per row, stats or None)."""
+def make_contenders(compiled, eager, eos: set[int], pad: int, new_tokens: int, threads: int):
+    """name -> fn(input_ids, attention_mask) -> (tokens per row, stats or None). "rbcompile"
+    and "engine" run the torch executor, "onnxruntime" the step executor at its weights."""
     eos_list = sorted(eos)
 
     def hf(input_ids, mask):
@@ -170,14 +179,16 @@ def make_contenders(compiled, eager, eos: set[int], pad: int, new_tokens: int):
                                  eos_token_id=eos_list)
         return [_until_eos(row, eos) for row in out[:, input_ids.shape[1]:].tolist()], None
 
-    def rb(mode):
+    def rb(mode, executor="torch", weights="fp32"):
         def run(input_ids, mask):
+            compiled.use_executor(executor, weights, threads=threads)
             result = compiled.generate(input_ids, mask, max_new_tokens=new_tokens, speculate=mode)
             return result.tokens, result.stats
         return run
 
     def engine(mode):
         def run(input_ids, mask):
+            compiled.use_executor("torch")
             batch = compiled.batch_engine(max_batch=input_ids.shape[0])
             requests = [batch.submit(EngineRequest(row[keep.bool()].tolist(), new_tokens,
                                                    speculate=mode))
@@ -188,6 +199,7 @@ def make_contenders(compiled, eager, eos: set[int], pad: int, new_tokens: int):
         return run
 
     return {"HF generate": hf, **{f"rbcompile {m}": rb(m) for m in MODES},
+            **{name: rb(mode, "onnxruntime", weights) for name, (weights, mode) in ORT.items()},
             **{f"engine {m}": engine(m) for m in ENGINE_MODES}}
 
 
@@ -304,6 +316,14 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
 
     out = []
     for batch in sorted({r["batch"] for r in rows}):
+        torch_off = {r["workload"]: r for r in ratios("rbcompile off", batches=[batch])}
+        found = [r for r in ratios("onnxruntime off", batches=[batch]) if r["workload"] in torch_off]
+        if found:
+            out.append((f"onnxruntime off faster than torch off at batch {batch}",
+                        all(r["tokens_per_second"] > torch_off[r["workload"]]["tokens_per_second"]
+                            for r in found),
+                        ", ".join(f"{r['workload']} {r['tokens_per_second'] / torch_off[r['workload']]['tokens_per_second']:.2f}x"
+                                  for r in found)))
         found = ratios("rbcompile off", batches=[batch])
         out.append((f"off >= 1.0x HF at batch {batch} (every workload)",
                     all(r["vs_hf"] >= 1.0 for r in found) if found else None,
@@ -314,8 +334,10 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
             if found:
                 out.append((f"auto >= {goal}x HF on {workload}, batch {batch}",
                             found[0]["vs_hf"] >= goal, f"{found[0]['vs_hf']:.2f}x"))
-    compared = sum(r["rows_compared"] for r in rows if r["contender"] != "HF generate")
-    mismatched = sum(r["mismatched_rows"] for r in rows if r["contender"] != "HF generate")
+    lossless = [r for r in rows if r["contender"] != "HF generate"
+                and ORT.get(r["contender"], ("fp32",))[0] == "fp32"]
+    compared = sum(r["rows_compared"] for r in lossless)
+    mismatched = sum(r["mismatched_rows"] for r in lossless)
     out.append(("identical greedy tokens to HF on every sample", mismatched == 0,
                 f"{mismatched} mismatched of {compared} rows compared"))
     return out
@@ -431,10 +453,10 @@ def main() -> None:
                 f"{min(lengths)}-{max(lengths)}")
 
     chosen = {"HF generate", *(c.replace("-", " ") for c in args.contenders)}
-    contenders = {name: fn for name, fn in make_contenders(compiled, eager, eos, pad, args.new_tokens).items()
+    contenders = {name: fn for name, fn in make_contenders(compiled, eager, eos, pad, args.new_tokens, args.threads).items()
                   if name in chosen}
     with step("warming up every contender (each batch size, 8 new tokens)"):
-        warm = {name: fn for name, fn in make_contenders(compiled, eager, eos, pad, min(8, args.new_tokens)).items()
+        warm = {name: fn for name, fn in make_contenders(compiled, eager, eos, pad, min(8, args.new_tokens), args.threads).items()
                 if name in chosen}
         for batch in args.batches:
             item = work[(batch, args.workloads[0])][0]

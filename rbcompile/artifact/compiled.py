@@ -141,7 +141,8 @@ class CompiledModel:
                 self.cuda_graphs.clear()
             if self.decoder is not None:
                 self.decoder.clear_graphs()
-                self.decoder.executor = None  # it runs on the CPU copy of the weights
+                # it runs on the CPU copy of the weights
+                self.decoder.executor = self.decoder.step_executor = None
         return self
 
     def use_executor(self, executor: str = "auto", weights: str = "fp32",

@@ -63,6 +63,7 @@ class Decoder:
         self.cache_pool: CachePool | None = None  # with graphs: K/V tensors kept for reuse
         self.plan_graphs: PlanGraphs | None = None  # CompiledModel.compile_plans
         self.executor = None  # a StepExecutor: steps run as onnxruntime graphs (use_executor)
+        self.step_executor = None  # the one built, kept while steps run in torch
         self.precision: dict[str, str] | None = None  # the executor's weight precision per linear
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,

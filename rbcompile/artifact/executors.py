@@ -107,9 +107,10 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
     from rbcompile.artifact.step_executor import StepExecutor
 
     decoder = compiled.decoder
-    if decoder.executor is None or decoder.executor.threads != threads:
-        decoder.executor = StepExecutor(module_weights(decoder.module), compiled.hf_config,
-                                        decoder.mlp_layers(), threads=threads)
+    if decoder.step_executor is None or decoder.step_executor.threads != threads:
+        decoder.step_executor = StepExecutor(module_weights(decoder.module), compiled.hf_config,
+                                             decoder.mlp_layers(), threads=threads)
+    decoder.executor = decoder.step_executor
     decoder.precision = level_precision(weights, decoder.executor.linear_weights())
     return executor
 

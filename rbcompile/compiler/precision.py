@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from rbcompile.artifact import quality
 from rbcompile.artifact.executors import WEIGHT_LEVELS, StoredPrecision, onnxruntime_reason
-from rbcompile.artifact.step_executor import sequence_logits
 from rbcompile.errors import UserError
 from rbcompile.progress import say
+
+# Deferred on purpose: onnx and onnxruntime load when a precision is measured, not with the
+# compiler (they add to every compile's start).
 
 LOW_LEVELS = tuple(level for level in WEIGHT_LEVELS if level != "fp32")
 
@@ -38,6 +40,8 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...]) -> list[Store
     if reason is not None:
         raise UserError(f"cannot measure weight precisions: {reason} (compile with "
                         "--precisions none)")
+    from rbcompile.artifact.step_executor import sequence_logits
+
     shape = compiled.decoder.shape
     dims = (shape.kv_heads, shape.head_dim, shape.layers)
     references = [quality.reference("decoder", compiled(ids, mask), mask) for ids, mask in batches]

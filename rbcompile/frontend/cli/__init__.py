@@ -30,6 +30,20 @@ from rbcompile.frontend.cli.serve import _cmd_serve
 EXIT_OK, EXIT_INTERNAL, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 130, 143
 
 
+DEFER_S = 0.05  # a signal that lands in an import comes again this much later
+
+
+def _importing(frame) -> bool:
+    """Whether `frame` runs inside an import (importlib's frames are below it): an exception
+    raised there may cross a C extension's initialisation (torch's), which aborts the process
+    (`terminate called after throwing an instance of 'pybind11::error_already_set'`)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class Terminated(BaseException):
     """SIGTERM, raised where the main thread is, so clean-up runs as for Ctrl-C."""
 
@@ -53,6 +67,9 @@ class _Stop:
 
     def __call__(self, signum, frame):
         if self.received is not None or self.ended or commits() != self.commits:
+            return
+        if _importing(frame):  # a module's top level may run under C++ that cannot unwind
+            threading.Timer(DEFER_S, os.kill, (os.getpid(), signum)).start()
             return
         self.received = signum
         self.logging_level = logging.root.manager.disable

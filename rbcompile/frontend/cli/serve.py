@@ -50,7 +50,7 @@ def _cmd_serve(args) -> None:
     sock = connections.bind(args.host, args.port)   # a port in use: refused before loading
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
     _quality_guard(args, model)
-    _use_executor(model, config.executor, config.weights, model.guard)
+    _use_executor(model, _executor(args, config.executor), config.weights, model.guard)
     if args.compile_plans:
         model.compile_plans()
     if args.cuda_graphs:
@@ -62,6 +62,18 @@ def _cmd_serve(args) -> None:
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr)
     _serve_until_signalled(partial(connections.serve, app, sock, connection_limits))
+
+
+def _executor(args, executor: str) -> str:
+    """--compile-plans and --cuda-graphs are ways of running the torch executor."""
+    from rbcompile.errors import UserError
+
+    if not (args.compile_plans or args.cuda_graphs):
+        return executor
+    if executor == "onnxruntime":
+        raise UserError("--compile-plans and --cuda-graphs run the torch executor; drop them "
+                        "or --executor onnxruntime")
+    return "torch"
 
 
 def _serve_ray(args, config) -> None:
