@@ -53,7 +53,7 @@ def _session(weight: torch.Tensor, level: str, threads: int):
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, in_features])],
         [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, None, out_features])],
         builder.constants + [onnx.numpy_helper.from_array(value, name)
-                             for name, value in builder.initializers.items()])
+                             for name, value in {**builder.initializers, **builder.weight_inputs}.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(MS_DOMAIN, 1)])
     options = onnxruntime.SessionOptions()

@@ -2,10 +2,12 @@
 (`step_graph.py`) instead of op by op through PyTorch eager, with the same calling convention
 as `Decoder.__call__` (it writes the step's keys / values into the caller's cache).
 
-Inputs, outputs and weights are bound by pointer (the cache and the fp32 weights are the
-torch tensors themselves; nothing is copied into onnxruntime). One session per
-`StepVariant` (a plan's skipped MLPs and its weight precisions), built on first use and kept
-(up to `max_sessions`); all sessions share the weights' memory.
+Inputs, outputs and the fp32 weights are bound by pointer: the cache and the weights are the
+torch tensors themselves, and every session reads the same memory. Packed int8 / int4 weights
+are initializers, which onnxruntime copies into its kernels' layout once per session. One
+session per `StepVariant` (a plan's skipped MLPs, its weight precisions, the attention form),
+built on first use and kept (up to `max_sessions`), with an IO binding whose weights are
+bound once.
 """
 from __future__ import annotations
 
@@ -83,13 +85,15 @@ class StepExecutor:
         return self.arrays[name]
 
     def session(self, variant: StepVariant):
-        """The onnxruntime session of `variant` (built on first use)."""
+        """(onnxruntime session, its IO binding with the weights bound) of `variant`, built on
+        first use."""
         import onnxruntime
 
         if variant in self.sessions:
             self.sessions.move_to_end(variant)
             return self.sessions[variant]
-        model, initializers = build_step_graph(self.shape, variant, self.array, self.qkv_bias)
+        model, initializers, weights = build_step_graph(self.shape, variant, self.array,
+                                                        self.qkv_bias)
         options = _session_options(self.threads)
         for name, value in initializers.items():
             if name not in self._values:
@@ -98,10 +102,13 @@ class StepExecutor:
                                           [self._values[name] for name in initializers])
         session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                                providers=["CPUExecutionProvider"])
-        self.sessions[variant] = session
+        binding = session.io_binding()   # the weights bound once; each step binds the rest
+        for name in weights:
+            _bind(binding.bind_input, name, self.tensors[name])
+        self.sessions[variant] = session, binding
         while len(self.sessions) > self.max_sessions:
             self.sessions.popitem(last=False)
-        return session
+        return self.sessions[variant]
 
     # ---- a step ---------------------------------------------------------------------------
 
@@ -112,7 +119,7 @@ class StepExecutor:
         if attention_mask is None:  # an unpadded prefill: every slot is kept
             attention_mask = torch.ones(batch, start + tokens, dtype=torch.long)
         fused = batch == 1 or tokens == 1   # what GroupQueryAttention's CPU kernel takes
-        session = self.session(self.variant(gates, precision, fused))
+        session, binding = self.session(self.variant(gates, precision, fused))
         shape = self.shape
         logits = torch.empty(batch, len(logit_positions), shape.vocab)
         feeds = {"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous(),
@@ -129,7 +136,6 @@ class StepExecutor:
             written = [torch.empty(batch, shape.kv_heads, tokens, shape.head_dim) for _ in cache]
             feeds["attention_bias"] = split_bias(attention_mask, start, tokens,
                                                  cache[0].shape[2], shape.heads // shape.kv_heads)
-        binding = session.io_binding()
         for name, tensor in feeds.items():
             _bind(binding.bind_input, name, tensor)
         _bind(binding.bind_output, "logits", logits)

@@ -96,7 +96,8 @@ class _Builder:
     variant: StepVariant
     source: Callable         # weight name -> np.ndarray (fp32) or PackedWeight ("NAME@int4")
     nodes: list = field(default_factory=list)
-    initializers: dict = field(default_factory=dict)   # weights: name -> array the session gets
+    initializers: dict = field(default_factory=dict)   # packed weights: name -> array
+    weight_inputs: dict = field(default_factory=dict)  # fp32 weights: name -> array (inputs)
     constants: list = field(default_factory=list)      # small tensors stored in the graph
     counter: int = 0
 
@@ -121,18 +122,24 @@ class _Builder:
         return self.const("shape", np.array(values, dtype=np.int64))
 
     def weight(self, key: str) -> str:
-        if key not in self.initializers:
-            self.initializers[key] = self.source(key)
+        """An fp32 weight: a graph input the executor binds to the stored tensor once."""
+        if key not in self.weight_inputs:
+            self.weight_inputs[key] = self.source(key)
         return key
 
     def linear(self, x: str, keys: list[str], biases: list[str] | None = None,
                out: str | None = None) -> list[str]:
         """x [..., in] @ W^T (+ bias) for each weight [out, in] of `keys` (the linears that
-        read `x`), each at the variant's precision: those of one precision as one matmul of
-        their rows stacked (`fused_name`), then split."""
+        read `x`), each at the variant's precision: fp32 ones one matmul each on the stored
+        weight (stacking them measured no faster, and would copy the weights), those of a
+        lower precision one matmul of their rows stacked (`fused_name`), then split."""
         outputs = {}
-        for level in dict.fromkeys(self.variant.level(key) for key in keys):
-            group = [key for key in keys if self.variant.level(key) == level]
+        levels = [self.variant.level(key) for key in keys]
+        groups = [[key] for key, level in zip(keys, levels) if level == "fp32"]
+        groups += [[key for key, level in zip(keys, levels) if level == low]
+                   for low in dict.fromkeys(levels) if low != "fp32"]
+        for group in groups:
+            level = self.variant.level(group[0])
             fused = fused_name(group)
             if level == "fp32":
                 y = self.op("FusedMatMul", [x, self.weight(fused)], domain=MS_DOMAIN, transB=1,
@@ -194,9 +201,11 @@ class _Builder:
 
 
 def build_step_graph(shape: StepShape, variant: StepVariant, source: Callable,
-                     qkv_bias: bool = False) -> tuple[onnx.ModelProto, dict]:
-    """The step graph of `variant` and its weights (name -> array, fed by the session, not
-    stored in the proto). `source(name)` gives a weight: a key of the checkpoint, keys joined
+                     qkv_bias: bool = False) -> tuple[onnx.ModelProto, dict, dict]:
+    """The step graph of `variant`, its packed weights (name -> array: initializers the
+    session copies and prepacks, not stored in the proto) and its fp32 weights (graph inputs
+    bound by pointer: onnxruntime copies every initializer it is given, and the fp32 weights
+    are most of the model). `source(name)` gives a weight: a key of the checkpoint, keys joined
     by "+" (their rows stacked), either with "@int8" / "@int4" (packed)."""
     b = _Builder(shape, variant, source)
     x = b.op("Gather", [b.weight("model.embed_tokens.weight"), "input_ids"], axis=0)
@@ -235,7 +244,7 @@ def build_step_graph(shape: StepShape, variant: StepVariant, source: Callable,
                      [p + "mlp.down_proj.weight"])[0]
     x = b.op("Gather", [b.op("Add", [residual, x]), "logit_positions"], axis=1)
     b.linear(b.rms_norm(x, "model.norm.weight"), ["lm_head.weight"], out="logits")
-    return _model(b, shape, variant.fused_attention), b.initializers
+    return _model(b, shape, variant.fused_attention), b.initializers, b.weight_inputs
 
 
 def _dim(b: _Builder, tensor: str, axis: int) -> str:
@@ -285,6 +294,8 @@ def _model(b: _Builder, shape: StepShape, fused_attention: bool) -> onnx.ModelPr
         inputs.append(helper.make_tensor_value_info("attention_bias", float_,
                                                     ["B", 1, "GT", "ST"]))
         cache_dims[2], written = "T", "new"
+    inputs += [helper.make_tensor_value_info(name, float_, list(value.shape))
+               for name, value in b.weight_inputs.items()]
     for layer in range(shape.layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(
