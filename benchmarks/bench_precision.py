@@ -2,7 +2,8 @@
 batch-1 decode (1 row), batch-8 decode (8 rows) and prefill (512 rows), each contender's
 median time next to torch fp32 `F.linear` in the same run, with its output's error.
 
-Contenders (all on the same random weight, threads pinned, interleaved per repeat):
+Contenders (all on the same random weight, threads pinned, each timed in a block after a
+warm-up, blocks in alternating order):
   torch fp32        F.linear (MKL), what the torch executor runs
   ort fp32          onnxruntime FusedMatMul on the [out, in] weight (the step graph's fp32 linear)
   ort int8          MatMulNBits 8-bit, symmetric blocks of 32 (int8 activations: accuracy level 4)
@@ -58,6 +59,8 @@ def _session(weight: torch.Tensor, level: str, threads: int):
                                                     helper.make_opsetid(MS_DOMAIN, 1)])
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    # idle sessions must not spin: there is one per weight copy (a decoder has one session)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                            providers=["CPUExecutionProvider"])
     return lambda x: torch.from_numpy(session.run(None, {"x": x[None].numpy()})[0][0])
@@ -75,14 +78,30 @@ def contenders(weight: torch.Tensor, threads: int) -> dict:
             "fbgemm int8": lambda x: dynamic(x)}
 
 
-def measure(fns: dict, x: torch.Tensor, repeats: int) -> dict[str, list[float]]:
+def _in_turn(per_copy: list[dict]) -> dict:
+    """Contenders that call the next copy's kernel at each call."""
+    calls = {"count": 0}
+
+    def contender(name):
+        def call(x):
+            calls["count"] += 1
+            return per_copy[calls["count"] % len(per_copy)][name](x)
+        return call
+    return {name: contender(name) for name in per_copy[0]}
+
+
+def measure(fns: dict, x: torch.Tensor, repeats: int, reverse: bool) -> dict[str, list[float]]:
+    """Each contender in a block of `repeats` calls after 3 warm-up calls, blocks in turn
+    (reversed on alternate shapes). Not interleaved call by call: onnxruntime's idle threads
+    spin for a while after a run, taking the cores from torch's next call (a torch fp32
+    GEMM of 8 rows measured 50x slower right after an onnxruntime run)."""
     times = {name: [] for name in fns}
+    order = list(fns.items())
     with torch.no_grad():
-        for name, fn in fns.items():
-            fn(x)
-        for repeat in range(repeats):
-            order = list(fns.items())
-            for name, fn in (order if repeat % 2 == 0 else order[::-1]):
+        for name, fn in (order[::-1] if reverse else order):
+            for _ in range(3):
+                fn(x)
+            for _ in range(repeats):
                 start = time.perf_counter()
                 fn(x)
                 times[name].append(time.perf_counter() - start)
@@ -93,33 +112,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--copies", type=int, default=30,
+                        help="distinct weights per shape, called in turn (30: one per SmolLM2 "
+                        "layer, so the block shapes stream from memory as in decoding, not "
+                        "from cache; 1: one weight, cache-resident)")
     parser.add_argument("--json", help="default benchmarks/results/bench_precision.json")
     args = parser.parse_args()
     pin_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     rows = []
     for name, in_features, out_features in SHAPES:
-        weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-        fns = contenders(weight, args.threads)
+        copies = 1 if name == "lm_head" else args.copies  # the head alone is 113 MB
+        weights = [torch.randn(out_features, in_features, generator=generator) * 0.05
+                   for _ in range(copies)]
+        per_copy = [contenders(weight, args.threads) for weight in weights]
+        fns = _in_turn(per_copy)
         for phase, count in ROWS.items():
             x = torch.randn(count, in_features, generator=generator)
             with torch.no_grad():
-                reference = fns["torch fp32"](x)
+                reference = torch.nn.functional.linear(x, weights[0])
                 errors = {key: float((fn(x) - reference).abs().max() / reference.abs().max())
-                          for key, fn in fns.items()}
-            times = measure(fns, x, args.repeats)
+                          for key, fn in per_copy[0].items()}
+            times = measure(fns, x, args.repeats, reverse=len(rows) % 2 == 1)
             base = statistics.median(times["torch fp32"])
             for key, samples in times.items():
                 median = statistics.median(samples)
                 rows.append({"shape": name, "in": in_features, "out": out_features,
+                             "copies": copies,
                              "phase": phase, "rows": count, "contender": key,
                              "median_us": median * 1e6, "vs_torch_fp32": base / median,
                              "error": errors[key]})
-            print(f"  {name} {phase}: " + "  ".join(
+            print(f"  {name} x{copies} {phase}: " + "  ".join(
                 f"{r['contender']} {r['vs_torch_fp32']:.2f}x" for r in rows[-len(fns):]),
                 flush=True)
-    print(f"\nLinear kernels, {args.threads} threads, median of {args.repeats} interleaved "
-          "repeats; 'speed' = torch fp32 time / contender time (>1: faster).\n")
+    print(f"\nLinear kernels, {args.threads} threads, median of {args.repeats} calls per "
+          "contender; 'speed' = torch fp32 time / contender time (>1: faster).\n")
     print_table([{**r, "median_us": f"{r['median_us']:.0f}", "speed": f"{r['vs_torch_fp32']:.2f}x",
                   "error": f"{r['error']:.1e}"} for r in rows],
                 [("shape", "shape"), ("phase", "phase"), ("contender", "contender"),

@@ -24,6 +24,7 @@ from rbcompile.artifact.step_graph import (
 )
 from rbcompile.kernels.int_weights import LEVELS, PackedWeight, quantize
 
+FULL_PRECISION_FROM = 32
 EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -49,6 +50,10 @@ class StepExecutor:
         self.shape = StepShape.from_config(config)
         self.mlp_gates = mlp_gates        # gate index -> layer whose MLP branch it turns off
         self.threads, self.max_sessions = threads, max_sessions
+        # steps of at least this many tokens per row (prefills) run the fp32 weights: int8 /
+        # int4 MatMulNBits is slower than fp32 on GEMMs (benchmarks/bench_precision.py); None:
+        # every step at the given precision (what calibration measures)
+        self.full_precision_from: int | None = FULL_PRECISION_FROM
         self.qkv_bias = "model.layers.0.self_attn.q_proj.bias" in weights
         embedding = next(key for key in EMBEDDING_KEYS if key in weights)
         self.tensors = {key: tensor.detach().contiguous() for key, tensor in weights.items()}
@@ -119,6 +124,8 @@ class StepExecutor:
         if attention_mask is None:  # an unpadded prefill: every slot is kept
             attention_mask = torch.ones(batch, start + tokens, dtype=torch.long)
         fused = batch == 1 or tokens == 1   # what GroupQueryAttention's CPU kernel takes
+        if self.full_precision_from is not None and tokens >= self.full_precision_from:
+            precision = None
         session, binding = self.session(self.variant(gates, precision, fused))
         shape = self.shape
         logits = torch.empty(batch, len(logit_positions), shape.vocab)

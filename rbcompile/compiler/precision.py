@@ -40,7 +40,7 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...]) -> list[Store
     if reason is not None:
         raise UserError(f"cannot measure weight precisions: {reason} (compile with "
                         "--precisions none)")
-    from rbcompile.artifact.step_executor import sequence_logits
+    from rbcompile.artifact.step_executor import FULL_PRECISION_FROM, sequence_logits
 
     shape = compiled.decoder.shape
     dims = (shape.kv_heads, shape.head_dim, shape.layers)
@@ -58,6 +58,7 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...]) -> list[Store
     try:
         for level in ("fp32", *levels):
             compiled.use_executor("onnxruntime", level)
+            compiled.decoder.executor.full_precision_from = None  # every position at `level`
             measured = summary(compiled.decoder)
             loss = quality.quality_loss(measured, full)
             say(f"  {level} weights: perplexity {measured['perplexity']:.2f} (full path "
@@ -66,5 +67,7 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...]) -> list[Store
             if level != "fp32":
                 stored.append(StoredPrecision(level, loss, measured))
     finally:
+        if compiled.decoder.step_executor is not None:
+            compiled.decoder.step_executor.full_precision_from = FULL_PRECISION_FROM
         compiled.decoder.executor, compiled.decoder.precision = previous
     return stored
