@@ -2,19 +2,17 @@
 Llama family (Llama, SmolLM, Qwen 2, Mistral without a window): what `StepExecutor` runs in
 onnxruntime instead of the generated module's op-by-op eager step.
 
-Calling convention (one graph per `StepVariant`):
-    input_ids [B, T] int64, position_ids [B, T] int64, attention_bias [B, 1, T, S + T] float
-    (0 where a query may attend, -inf elsewhere; S = cache slots, then the T new tokens),
-    logit_positions [K] int64, past_key_i / past_value_i [B, kv heads, S, head dim]
-    -> logits [B, K, vocab], new_key_i / new_value_i [B, kv heads, T, head dim].
-The graph reads the cache and never copies it: attention scores are taken against the cache
-and against the T new keys separately, and the caller writes the new keys / values into its
-cache at the step's slots. Grouped heads are a reshape (queries [B, kv heads, group * T, hd]),
-never a repeat of K/V.
-
-Each linear is a Gemm with the weight as stored ([out, in], transB), so the fp32 weights are
-the artifact's own tensors (no transposed copy), or a `MatMulNBits` (int8 / int4 weights,
-`kernels/int_weights.py`) where the variant gives it a lower precision.
+Inputs: input_ids [B, T], position_ids [B, T], logit_positions [K], the cache
+(past_key_i / past_value_i [B, kv heads, S, head dim]), the fp32 weights (bound once) and the
+attention's own inputs; outputs: logits [B, K, vocab] and the cache written. Two attention
+forms (`StepVariant.fused_attention`):
+- GroupQueryAttention: attention_bias [B, 1, T, start + T], seqlens_k, total_sequence_length;
+  it writes the T new keys / values into the cache where it is (present_* bound to past_*);
+- plain ops: attention_bias [B, 1, group * T, S + T]; scores against the cache and against the
+  T new keys separately (the cache is never copied), new_key_i / new_value_i [B, kv heads, T,
+  head dim] out for the caller to write.
+Each fp32 linear is a FusedMatMul on the weight as stored ([out, in], transB), so the weights
+are the artifact's own tensors; a lower precision is a MatMulNBits (`kernels/int_weights.py`).
 """
 from __future__ import annotations
 
@@ -33,6 +31,7 @@ MS_DOMAIN = "com.microsoft"
 # MatMulNBits computes with int8 activations (its fast AVX2 kernels): level 0 (fp32
 # activations) has no fast int8 kernel on this CPU (3.7 tok/s against 41 on SmolLM2)
 ACCURACY_LEVEL = 4
+ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -87,6 +86,10 @@ def unsupported_reason(config: dict) -> str | None:
         return "sliding-window attention"
     if config.get("hidden_act", "silu") != "silu":
         return f"activation {config.get('hidden_act')}"
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:  # these scale the frequencies only (the tables take them)
+        return f"rotary embedding type {kind}"
     return None
 
 

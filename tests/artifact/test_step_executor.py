@@ -134,6 +134,9 @@ def test_executor_choice_and_its_refusals(llama, compiled_tiny):
         model.use_executor("tensorrt")
     assert model.use_executor("auto") == "onnxruntime"
     model.use_executor("torch")
+    from rbcompile.artifact.step_graph import unsupported_reason
+    config = dict(model.hf_config, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    assert unsupported_reason(config) == "rotary embedding type yarn"
 
 
 def test_precision_runs_only_within_the_guard(llama):
@@ -181,3 +184,22 @@ def test_smollm2_executor_reproduces_the_shipped_weights_and_hf_tokens():
     ids, mask = batch["input_ids"], batch["attention_mask"]
     assert model.generate(ids, mask, max_new_tokens=12).tokens == hf_new_tokens(
         eager, ids, mask, 12)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_other_llama_family_decoders_generate_hf_tokens(model_type):
+    """Qwen 2 (biases on q / k / v) and Mistral (no window) through the executor."""
+    import transformers
+
+    config = getattr(transformers, {"qwen2": "Qwen2Config", "mistral": "MistralConfig"}[model_type])(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=None)
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = rbcompile.compile(eager)
+    assert model.use_executor("auto") == "onnxruntime"
+    assert model.decoder.executor.qkv_bias == (model_type == "qwen2")
+    mask = (DECODER_PROMPTS != 0).long()
+    result = model.generate(DECODER_PROMPTS, mask, max_new_tokens=8)
+    assert result.tokens == hf_new_tokens(eager, DECODER_PROMPTS, mask, 8)
