@@ -32,7 +32,7 @@ MS_DOMAIN = "com.microsoft"
 # activations) has no fast int8 kernel on this CPU (3.7 tok/s against 41 on SmolLM2)
 ACCURACY_LEVEL = 4
 ROPE_TYPES = ("default", "linear", "llama3")
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED = ("llama", "qwen2", "mistral")   # transformers model types
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,11 @@ def fused_name(keys: list[str]) -> str:
 
 def unsupported_reason(config: dict) -> str | None:
     """Why the step graph cannot run this model (None: it can)."""
-    architectures = config.get("architectures") or ["?"]
-    if architectures[0] not in SUPPORTED:
-        return f"{architectures[0]} is not one of {', '.join(SUPPORTED)}"
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED:
+        return f"model type {model_type} is not one of {', '.join(SUPPORTED)}"
     window = config.get("sliding_window")
-    if window and config.get("use_sliding_window", True) and architectures[0] != "LlamaForCausalLM":
+    if window and config.get("use_sliding_window", True) and model_type != "llama":
         return "sliding-window attention"
     if config.get("hidden_act", "silu") != "silu":
         return f"activation {config.get('hidden_act')}"

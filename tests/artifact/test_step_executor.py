@@ -126,7 +126,7 @@ def test_executor_choice_and_its_refusals(llama, compiled_tiny):
     model, _ = llama
     gpt2 = compiled_tiny["gpt2"][0]
     assert gpt2.use_executor("auto") == "torch"
-    with pytest.raises(UserError, match="cannot run this model: GPT2LMHeadModel is not one of"):
+    with pytest.raises(UserError, match="cannot run this model: model type gpt2 is not one of"):
         gpt2.use_executor("onnxruntime")
     with pytest.raises(UserError, match="int4 weights need the onnxruntime executor"):
         gpt2.use_executor("auto", "int4")

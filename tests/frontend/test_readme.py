@@ -41,10 +41,14 @@ def test_readme_command_parses(argv):
 
 
 @pytest.fixture(scope="module")
-def artifacts(compiled_tiny, tmp_path_factory):
-    """The README's artifact folders, as tiny artifacts of the same family."""
+def artifacts(compiled_tiny, tiny_checkpoints, tmp_path_factory):
+    """The README's artifact folders, as tiny artifacts of the same family (the decoder's
+    weight precisions measured, as `rbcompile compile` does)."""
+    import rbcompile
+
     root = tmp_path_factory.mktemp("readme")
-    return {"build/smol": compiled_tiny["llama"][0].save(root / "smol"),
+    smol = rbcompile.compile(tiny_checkpoints["llama"], precisions="auto")
+    return {"build/smol": smol.save(root / "smol"),
             "build/minilm": compiled_tiny["bert"][0].save(root / "minilm")}
 
 
