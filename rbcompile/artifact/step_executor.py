@@ -62,7 +62,8 @@ class StepExecutor:
         self.arrays: dict[str, np.ndarray | PackedWeight] = {
             key: tensor.numpy() for key, tensor in self.tensors.items()}
         self.sessions: OrderedDict[StepVariant, object] = OrderedDict()
-        self._values: dict[str, object] = {}  # initializer name -> OrtValue, shared by sessions
+        # packed weight -> OrtValue, made once (each session copies it into its own layout)
+        self._values: dict[str, object] = {}
 
     # ---- variants -----------------------------------------------------------------------
 
