@@ -51,6 +51,8 @@ def test_inspect_table_json_and_budget(llama_artifact, capsys):
     assert main(["inspect", str(llama_artifact)]) == 0
     summary = capsys.readouterr().out
     assert "prunable regions" in summary and "model.layers.3.mlp" not in summary
+    assert re.search(r"int4 weights: perplexity [\d.]+, top-1 agreement [\d.]+%, quality loss",
+                     summary)
     assert main(["inspect", str(llama_artifact), "--verbose"]) == 0
     table = capsys.readouterr().out
     assert "model.layers.3.mlp" in table and "SKIP" not in table

@@ -463,6 +463,7 @@ def test_cli_serve_compiles_plans_and_refuses_cuda_graphs_on_cpu(tmp_path, llama
     assert not served
     assert main(["serve", str(artifact), "--compile-plans", "--device", "cpu",
                  "--dtype", "fp32"]) == 0
+    assert "decode steps: torch executor, fp32 weights" in capsys.readouterr().err
     client = TestClient(served["app"])
     expected = llama.generate([llama.tokenizer("the a of")["input_ids"]], max_new_tokens=6)
     response = client.post("/v1/completions", json={"prompt": "the a of", "max_tokens": 6,

@@ -76,7 +76,8 @@ def _cmd_inspect(args) -> None:
                     if widths and r["kind"] == "prunable" and gates[r["gate"]] and widths[r["gate"]] < 1}
     if args.json:
         payload = {"source": manifest["source"], "architecture": manifest["architecture"],
-                   "regions": regions, "plans": manifest.get("plans")}
+                   "regions": regions, "plans": manifest.get("plans"),
+                   "precisions": manifest.get("precisions")}
         if setting:
             payload["budget"] = {"budget": args.budget, "skipped_regions": skipped,
                                  "narrowed_regions": narrowed, "skipped_prunable_flops": saved}
@@ -123,6 +124,11 @@ def _print_plans(manifest: dict) -> None:
         decoder = f", decoder {loss(plan, DECODER)}" if "decoder" in manifest else ""
         print(f"  plan {plan.budget:g}: skips {plan.skipped_share or 0:.1%} of prunable "
               f"FLOPs, quality loss {loss(plan, FORWARD)}{decoder}")
+    for level in manifest.get("precisions", []):   # measured weight precisions (--weights)
+        heldout = level["heldout"]
+        print(f"  {level['level']} weights: perplexity {heldout['perplexity']:.2f}, top-1 "
+              f"agreement {heldout['top1_agreement']:.1%}, quality loss "
+              f"{level['decoder_quality_loss']:.3f}")
 
 
 CURVE_DEFAULTS = {"decoder": {"samples": 4, "seq": 512, "batch": 1},

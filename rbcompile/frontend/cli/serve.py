@@ -50,7 +50,8 @@ def _cmd_serve(args) -> None:
     sock = connections.bind(args.host, args.port)   # a port in use: refused before loading
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
     _quality_guard(args, model)
-    _use_executor(model, _executor(args, config.executor), config.weights, model.guard)
+    executor = _use_executor(model, _executor(args, config.executor), config.weights,
+                             model.guard)
     if args.compile_plans:
         model.compile_plans()
     if args.cuda_graphs:
@@ -59,6 +60,8 @@ def _cmd_serve(args) -> None:
     app = create_app(model, config, policy=policy)
     print(f"quality guard: max quality loss {args.max_quality_loss:g}; {_guard_leaves(model)}",
           file=sys.stderr)
+    if model.decoder is not None:
+        print(f"decode steps: {executor} executor, {config.weights} weights", file=sys.stderr)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr)
     _serve_until_signalled(partial(connections.serve, app, sock, connection_limits))
