@@ -40,11 +40,6 @@ class PackedWeight:
     def blocks(self) -> int:
         return -(-self.in_features // self.block_size)
 
-    @property
-    def nbytes(self) -> int:
-        extra = 0 if self.offsets is None else self.offsets.nbytes
-        return self.data.nbytes + self.scales.nbytes + extra
-
 
 def quantize(weight: torch.Tensor, bits: int, block_size: int = DEFAULT_BLOCK,
              symmetric: bool | None = None) -> PackedWeight:

@@ -20,18 +20,6 @@ from rbcompile.progress import say
 LOW_LEVELS = tuple(level for level in WEIGHT_LEVELS if level != "fp32")
 
 
-def parse_levels(text: str) -> tuple[str, ...]:
-    """"int8,int4" -> ("int8", "int4"); "none" or "" -> ()."""
-    if text.strip().lower() in ("", "none"):
-        return ()
-    levels = tuple(dict.fromkeys(part.strip() for part in text.split(",")))
-    unknown = [level for level in levels if level not in LOW_LEVELS]
-    if unknown:
-        raise ValueError(f"precisions must be among {', '.join(LOW_LEVELS)} (or none), got "
-                         f"{', '.join(unknown)}")
-    return levels
-
-
 def measure_precisions(compiled, batches, levels: tuple[str, ...]) -> list[StoredPrecision]:
     """Each of `levels` measured on `batches` ([(input_ids, mask)]) against the full path."""
     if not levels:
