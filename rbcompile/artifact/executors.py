@@ -66,11 +66,15 @@ def onnxruntime_reason(compiled) -> str | None:
     return None
 
 
+def _check_level(weights: str) -> None:
+    if weights not in WEIGHT_LEVELS:
+        raise UserError(f"weights must be one of {', '.join(WEIGHT_LEVELS)}, got {weights!r}")
+
+
 def check_precision(manifest: dict, weights: str, guard: QualityGuard) -> None:
     """Refuse (UserError) `weights` where its measured loss is over `guard`, or where it was
     never measured and `guard` runs measured plans only."""
-    if weights not in WEIGHT_LEVELS:
-        raise UserError(f"weights must be one of {', '.join(WEIGHT_LEVELS)}, got {weights!r}")
+    _check_level(weights)
     if weights == "fp32":
         return
     measured = stored_precisions(manifest).get(weights)
@@ -89,8 +93,7 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
     chosen ("auto" resolved). Precision other than fp32 needs onnxruntime."""
     if executor not in EXECUTORS:
         raise UserError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
-    if weights not in WEIGHT_LEVELS:
-        raise UserError(f"weights must be one of {', '.join(WEIGHT_LEVELS)}, got {weights!r}")
+    _check_level(weights)
     reason = onnxruntime_reason(compiled)
     if executor == "auto":
         executor = "onnxruntime" if reason is None else "torch"
