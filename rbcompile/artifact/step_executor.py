@@ -2,15 +2,20 @@
 (`step_graph.py`) instead of op by op through PyTorch eager, with the same calling convention
 as `Decoder.__call__` (it writes the step's keys / values into the caller's cache).
 
-Inputs, outputs and the fp32 weights are bound by pointer: the cache and the weights are the
-torch tensors themselves, and every session reads the same memory. Packed int8 / int4 weights
-are initializers, which onnxruntime copies into its kernels' layout once per session. One
+Inputs and outputs are bound by pointer: the cache is the torch tensors themselves. The full
+path's graph (lossless decoding's every step) gets the fp32 weights as initializers, which
+onnxruntime prepacks into its GEMM layout (faster GEMVs, one more copy of the weights; the
+mapped originals' pages are then released); other graphs bind the stored tensors by pointer.
+Packed int8 / int4 weights are initializers, copied into the kernels' layout per session. One
 session per `StepVariant` (a plan's skipped MLPs, its weight precisions, the attention form),
 built on first use and kept (up to `max_sessions`), with an IO binding whose weights are
 bound once.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -25,6 +30,7 @@ from rbcompile.artifact.step_graph import (
 from rbcompile.kernels.int_weights import LEVELS, PackedWeight, quantize
 
 FULL_PRECISION_FROM = 32
+MADV_PAGEOUT = 21   # Linux 5.4+
 EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -43,13 +49,17 @@ class StepExecutor:
     """Runs decoder steps in onnxruntime; `variant(gates, precision)` names the graph."""
 
     def __init__(self, weights: dict[str, torch.Tensor], config: dict, mlp_gates: dict[int, int],
-                 *, threads: int | None = None, max_sessions: int = 8):
+                 *, threads: int | None = None, max_sessions: int = 8, prepack: bool = True):
         reason = unsupported_reason(config)
         if reason is not None:
             raise ValueError(f"the onnxruntime step executor does not run this model: {reason}")
         self.shape = StepShape.from_config(config)
         self.mlp_gates = mlp_gates        # gate index -> layer whose MLP branch it turns off
         self.threads, self.max_sessions = threads, max_sessions
+        # the full path's graph (every step of lossless decoding) holds its own prepacked copy
+        # of the fp32 weights: its GEMVs are faster than on the weights bound by pointer
+        # (docs/executor.md), for one more copy of them in memory
+        self.prepack = prepack
         # steps of at least this many tokens per row (prefills) run the fp32 weights: int8 /
         # int4 MatMulNBits is slower than fp32 on GEMMs (benchmarks/bench_precision.py); None:
         # every step at the given precision (what calibration measures)
@@ -64,6 +74,8 @@ class StepExecutor:
         self.sessions: OrderedDict[StepVariant, object] = OrderedDict()
         # packed weight -> OrtValue, made once (each session copies it into its own layout)
         self._values: dict[str, object] = {}
+        # variant -> where its binding's cache inputs / outputs point (rebound when they move)
+        self._cache_bound: dict[StepVariant, tuple] = {}
 
     # ---- variants -----------------------------------------------------------------------
 
@@ -98,8 +110,9 @@ class StepExecutor:
         if variant in self.sessions:
             self.sessions.move_to_end(variant)
             return self.sessions[variant]
+        prepack = self.prepack and variant == StepVariant()
         model, initializers, weights = build_step_graph(self.shape, variant, self.array,
-                                                        self.qkv_bias)
+                                                        self.qkv_bias, prepack=prepack)
         options = _session_options(self.threads)
         for name, value in initializers.items():
             if name not in self._values:
@@ -108,10 +121,14 @@ class StepExecutor:
                                           [self._values[name] for name in initializers])
         session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                                providers=["CPUExecutionProvider"])
+        if prepack:  # the session has its own copy: the mapped weights' pages can go
+            release_pages(self.tensors[key] for key in self.linear_weights()
+                          if key != "lm_head.weight")   # (tied: the embedding's Gather reads it)
         binding = session.io_binding()   # the weights bound once; each step binds the rest
         for name in weights:
             _bind(binding.bind_input, name, self.tensors[name])
         self.sessions[variant] = session, binding
+        self._cache_bound.pop(variant, None)
         while len(self.sessions) > self.max_sessions:
             self.sessions.popitem(last=False)
         return self.sessions[variant]
@@ -127,14 +144,12 @@ class StepExecutor:
         fused = batch == 1 or tokens == 1   # what GroupQueryAttention's CPU kernel takes
         if self.full_precision_from is not None and tokens >= self.full_precision_from:
             precision = None
-        session, binding = self.session(self.variant(gates, precision, fused))
+        variant = self.variant(gates, precision, fused)
+        session, binding = self.session(variant)
         shape = self.shape
         logits = torch.empty(batch, len(logit_positions), shape.vocab)
         feeds = {"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous(),
                  "logit_positions": logit_positions.contiguous()}
-        for layer in range(shape.layers):
-            feeds[f"past_key_{layer}"] = cache[2 * layer]
-            feeds[f"past_value_{layer}"] = cache[2 * layer + 1]
         if fused:
             written = cache            # GroupQueryAttention writes the cache where it is
             feeds["attention_bias"] = causal_bias(attention_mask, start, tokens)
@@ -147,15 +162,27 @@ class StepExecutor:
         for name, tensor in feeds.items():
             _bind(binding.bind_input, name, tensor)
         _bind(binding.bind_output, "logits", logits)
-        stem = "present" if fused else "new"
-        for layer in range(shape.layers):
-            _bind(binding.bind_output, f"{stem}_key_{layer}", written[2 * layer])
-            _bind(binding.bind_output, f"{stem}_value_{layer}", written[2 * layer + 1])
+        self._bind_cache(variant, binding, cache, written)
         session.run_with_iobinding(binding)
         if not fused:
             for tensor, values in zip(cache, written, strict=True):
                 tensor.index_copy_(2, cache_position, values)
         return logits
+
+    def _bind_cache(self, variant: StepVariant, binding, cache: list[torch.Tensor],
+                    written: list[torch.Tensor]) -> None:
+        """Binds the cache read and the cache written, unless they are where the previous step
+        of this variant had them (a decode loop's cache stays put: four binds a layer spared
+        per step)."""
+        where = tuple((t.data_ptr(), *t.shape) for t in (*cache, *written))
+        if self._cache_bound.get(variant) == where:
+            return
+        stem = "present" if variant.fused_attention else "new"
+        for layer in range(self.shape.layers):
+            for index, kind in ((2 * layer, "key"), (2 * layer + 1, "value")):
+                _bind(binding.bind_input, f"past_{kind}_{layer}", cache[index])
+                _bind(binding.bind_output, f"{stem}_{kind}_{layer}", written[index])
+        self._cache_bound[variant] = where
 
 
 def sequence_logits(step, input_ids: torch.Tensor, attention_mask: torch.Tensor, kv_heads: int,
@@ -167,6 +194,23 @@ def sequence_logits(step, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     slots = torch.arange(tokens)
     return step(input_ids, attention_mask, positions, slots, slots, cache)
+
+
+def release_pages(tensors) -> None:
+    """Asks Linux to page out the memory of `tensors` (madvise MADV_PAGEOUT): pages mapped
+    from the artifact's file leave memory and come back from it if read again; others stay
+    (no swap) or are swapped. Data is never lost; elsewhere, or on an older kernel, nothing
+    happens."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    for tensor in tensors:
+        start = -(-tensor.data_ptr() // page) * page
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+        if end > start:
+            libc.madvise(start, end - start, MADV_PAGEOUT)
 
 
 def _bind(bind, name: str, tensor: torch.Tensor) -> None:

@@ -102,6 +102,7 @@ class _Builder:
     initializers: dict = field(default_factory=dict)   # packed weights: name -> array
     weight_inputs: dict = field(default_factory=dict)  # fp32 weights: name -> array (inputs)
     constants: list = field(default_factory=list)      # small tensors stored in the graph
+    prepack: bool = False    # fp32 weights are initializers too (onnxruntime prepacks them)
     counter: int = 0
 
     def name(self, stem: str) -> str:
@@ -125,8 +126,11 @@ class _Builder:
         return self.const("shape", np.array(values, dtype=np.int64))
 
     def weight(self, key: str) -> str:
-        """An fp32 weight: a graph input the executor binds to the stored tensor once."""
-        if key not in self.weight_inputs:
+        """An fp32 weight: a graph input the executor binds to the stored tensor once (an
+        initializer when `prepack`)."""
+        if self.prepack:
+            self.initializers.setdefault(key, self.source(key))
+        elif key not in self.weight_inputs:
             self.weight_inputs[key] = self.source(key)
         return key
 
@@ -204,13 +208,14 @@ class _Builder:
 
 
 def build_step_graph(shape: StepShape, variant: StepVariant, source: Callable,
-                     qkv_bias: bool = False) -> tuple[onnx.ModelProto, dict, dict]:
-    """The step graph of `variant`, its packed weights (name -> array: initializers the
-    session copies and prepacks, not stored in the proto) and its fp32 weights (graph inputs
-    bound by pointer: onnxruntime copies every initializer it is given, and the fp32 weights
-    are most of the model). `source(name)` gives a weight: a key of the checkpoint, keys joined
-    by "+" (their rows stacked), either with "@int8" / "@int4" (packed)."""
-    b = _Builder(shape, variant, source)
+                     qkv_bias: bool = False, prepack: bool = False
+                     ) -> tuple[onnx.ModelProto, dict, dict]:
+    """The step graph of `variant`, its initializers (name -> array, not stored in the proto:
+    the packed weights, and with `prepack` the fp32 ones, which onnxruntime copies into its
+    matmul kernels' layout) and its fp32 weights bound by pointer (graph inputs: no copy, but
+    a GEMV on an unpacked weight is slower). `source(name)` gives a weight: a key of the
+    checkpoint, keys joined by "+" (their rows stacked), either with "@int8" / "@int4"."""
+    b = _Builder(shape, variant, source, prepack=prepack)
     x = b.op("Gather", [b.weight("model.embed_tokens.weight"), "input_ids"], axis=0)
     rotary = _rotary_tables(b, source("model.rotary_emb.inv_freq"))
     splits = (None if variant.fused_attention else

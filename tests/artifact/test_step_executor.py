@@ -82,6 +82,26 @@ def test_executor_steps_equal_the_torch_decoder(llama, gated):
     model.use_executor("torch")
 
 
+def test_only_the_full_path_graph_prepacks_its_fp32_weights(llama):
+    """The full path's graph holds the fp32 weights as initializers (onnxruntime prepacks
+    them); a plan's graph binds the stored tensors as inputs; both give the torch steps."""
+    from rbcompile.artifact.step_graph import StepVariant, build_step_graph
+
+    model, _ = llama
+    model.use_executor("onnxruntime")
+    executor = model.decoder.executor
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    gates = [False] * model.decoder.num_gates
+    for variant, prepacked in ((StepVariant(), True), (executor.variant(gates), False)):
+        graph, initializers, inputs = build_step_graph(
+            executor.shape, variant, executor.array, prepack=prepacked)
+        names = {value.name for value in graph.graph.input}
+        assert (weight in initializers, weight in inputs, weight in names) == (
+            prepacked, not prepacked, not prepacked)
+    assert executor.prepack
+    model.use_executor("torch")
+
+
 def test_unpadded_prefill_takes_no_mask(llama):
     model, _ = llama
     model.use_executor("onnxruntime")
