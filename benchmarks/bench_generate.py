@@ -20,7 +20,8 @@ Writes benchmarks/results/bench_generate.json (every raw time) or --json PATH.
 --contenders picks among HF generate (always run: the reference), rbcompile off / ngram / self
 / auto (`generate`, a static batch) and engine off / ngram: the continuous-batching engine
 (`batch_engine`, what `rbcompile serve` runs) given the batch's prompts unpadded at once, with
-`speculate` n-gram drafts verified in its batch steps for engine ngram.
+`speculate` n-gram drafts verified in its batch steps for engine ngram; and the peers users
+pick instead (benchmarks/peers.py, installed by `make bench-peers`): ORT GenAI fp32.
 
     python benchmarks/bench_generate.py [--samples 3] [--rounds 1] [--new-tokens 128]
         [--batches 1 8] [--workloads continuation grounded technical] [--threads 2] [--dtype bf16]
@@ -45,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import pin_threads, print_table, write_json  # noqa: E402
+from peers import PEERS, peer_contenders  # noqa: E402
 
 import rbcompile  # noqa: E402
 from rbcompile.runtime.engine.core import EngineRequest  # noqa: E402
@@ -64,7 +66,7 @@ EXECUTED = (("fp32", "off"), ("fp32", "ngram"), ("fp32", "auto"), ("int8", "off"
             ("int4", "off"), ("int4", "ngram"))
 ORT = {f"onnxruntime{'' if w == 'fp32' else ' ' + w} {m}": (w, m) for w, m in EXECUTED}
 CONTENDERS = ("HF generate", *(f"rbcompile {m}" for m in MODES), *ORT,
-              *(f"engine {m}" for m in ENGINE_MODES))
+              *(f"engine {m}" for m in ENGINE_MODES), *PEERS)
 GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -314,16 +316,19 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
         return [r for r in rows if r["contender"] == contender and r["workload"] in workloads
                 and (batches is None or r["batch"] in batches)]
 
+    def at_least(contender, peer, batch):
+        base = {r["workload"]: r["tokens_per_second"] for r in ratios(peer, batches=[batch])}
+        found = {r["workload"]: r["tokens_per_second"] / base[r["workload"]]
+                 for r in ratios(contender, batches=[batch]) if r["workload"] in base}
+        if found:
+            out.append((f"{contender} >= {peer} at batch {batch}", min(found.values()) >= 1.0,
+                        ", ".join(f"{w} {ratio:.2f}x" for w, ratio in found.items())))
+
     out = []
     for batch in sorted({r["batch"] for r in rows}):
-        torch_off = {r["workload"]: r for r in ratios("rbcompile off", batches=[batch])}
-        found = [r for r in ratios("onnxruntime off", batches=[batch]) if r["workload"] in torch_off]
-        if found:
-            out.append((f"onnxruntime off faster than torch off at batch {batch}",
-                        all(r["tokens_per_second"] > torch_off[r["workload"]]["tokens_per_second"]
-                            for r in found),
-                        ", ".join(f"{r['workload']} {r['tokens_per_second'] / torch_off[r['workload']]['tokens_per_second']:.2f}x"
-                                  for r in found)))
+        at_least("onnxruntime off", "rbcompile off", batch)
+        for peer in PEERS:
+            at_least("onnxruntime off", peer, batch)
         found = ratios("rbcompile off", batches=[batch])
         out.append((f"off >= 1.0x HF at batch {batch} (every workload)",
                     all(r["vs_hf"] >= 1.0 for r in found) if found else None,
@@ -334,7 +339,7 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
             if found:
                 out.append((f"auto >= {goal}x HF on {workload}, batch {batch}",
                             found[0]["vs_hf"] >= goal, f"{found[0]['vs_hf']:.2f}x"))
-    lossless = [r for r in rows if r["contender"] != "HF generate"
+    lossless = [r for r in rows if r["contender"] not in ("HF generate", *PEERS)
                 and ORT.get(r["contender"], ("fp32",))[0] == "fp32"]
     compared = sum(r["rows_compared"] for r in lossless)
     mismatched = sum(r["mismatched_rows"] for r in lossless)
@@ -455,9 +460,12 @@ def main() -> None:
     chosen = {"HF generate", *(c.replace("-", " ") for c in args.contenders)}
     contenders = {name: fn for name, fn in make_contenders(compiled, eager, eos, pad, args.new_tokens, args.threads).items()
                   if name in chosen}
+    peers = peer_contenders([p for p in PEERS if p in chosen], resolve_checkpoint(source), args.threads)
+    contenders.update({name: make(args.new_tokens) for name, make in peers.items()})
     with step("warming up every contender (each batch size, 8 new tokens)"):
         warm = {name: fn for name, fn in make_contenders(compiled, eager, eos, pad, min(8, args.new_tokens), args.threads).items()
                 if name in chosen}
+        warm.update({name: make(min(8, args.new_tokens)) for name, make in peers.items()})
         for batch in args.batches:
             item = work[(batch, args.workloads[0])][0]
             for fn in warm.values():
