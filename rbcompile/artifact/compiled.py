@@ -22,6 +22,7 @@ from rbcompile.artifact.manifest import CONFIG, GRAPH, MANIFEST, SCHEMA_VERSION,
 from rbcompile.artifact.models import copy_tokenizer_files, load_tokenizer
 from rbcompile.artifact.module import attach_weights, compile_regions, stored_weights
 from rbcompile.artifact.offramps import RAMP_FILE, OffRamps
+from rbcompile.artifact.packed_weights import pack
 from rbcompile.artifact.placement import check_same_dtype, parse_device, parse_dtype
 from rbcompile.artifact.plan_graphs import PlanGraphs, compile_plans
 from rbcompile.artifact.plans import (
@@ -115,6 +116,9 @@ class CompiledModel:
         self.offramps: OffRamps | None = None  # encoders calibrated with a task head
         self.dtype = getattr(torch, arch.get("dtype", "float32"))  # the precision it was traced in
         self.cuda_graphs = None  # a GraphCache after use_cuda_graphs()
+        packed = manifest.get("packed_weights")  # how save() stores the linears (packed_weights.py)
+        self.weights_level = packed["level"] if packed else "fp32"
+        self.loaded_packing: dict = {}   # key -> PackedWeight, as loaded (loading.py)
         self._tokenizer = None
 
     # ---- placement ----------------------------------------------------------------------------
@@ -333,8 +337,11 @@ class CompiledModel:
 
     # ---- artifact ---------------------------------------------------------------------------
 
-    def save(self, out_dir) -> Path:
-        """Write the artifact folder atomically (temporary folder, then rename)."""
+    def save(self, out_dir, weights: str | None = None) -> Path:
+        """Write the artifact folder atomically (temporary folder, then rename). `weights`:
+        "int8" / "int4" stores the linears packed (artifact/packed_weights.py), "fp32" as
+        they are; default: as this model was loaded."""
+        level = weights or self.weights_level
 
         def write(tmp: Path) -> tuple[dict, list[str]]:
             (tmp / GRAPH).write_text(json.dumps(self.ir, indent=1))
@@ -346,6 +353,10 @@ class CompiledModel:
                 modules.append(self.decoder.module)
             tensors = {key: tensor.detach().contiguous().cpu()
                        for key, tensor in stored_weights(modules).items()}
+            packed = None
+            if level != "fp32":
+                tensors, parts, metadata, packed = pack(tensors, level, self.loaded_packing)
+                save_file(parts, str(tmp / packed.file), metadata=metadata)
             save_file(tensors, str(tmp / WEIGHTS))
             (tmp / CONFIG).write_text(json.dumps(self.hf_config, indent=1, default=str))
             tokenizer_files = (copy_tokenizer_files(self.tokenizer_dir, tmp)
@@ -359,7 +370,9 @@ class CompiledModel:
                 **{k: v for k, v in self.manifest.items() if k not in ("schema_version", "files",
                                                                        "regions", "created",
                                                                        "rbcompile_version",
-                                                                       "offramps", "decoder")},
+                                                                       "offramps", "decoder",
+                                                                       "packed_weights")},
+                **({"packed_weights": packed.to_json()} if packed else {}),
                 **({"offramps": {"file": RAMP_FILE, "layers": self.offramps.layers,
                                  "threshold": self.offramps.threshold}}
                    if self.offramps is not None else {}),
@@ -383,7 +396,7 @@ class CompiledModel:
         out_dir = Path(out_dir)
         manifest, tokenizer_files = write_folder(out_dir, write, manifests.owned_files,
                                                  manifests.KIND)
-        self.manifest = manifest
+        self.manifest, self.weights_level = manifest, level
         self.tokenizer_dir = out_dir if tokenizer_files else None
         return out_dir
 

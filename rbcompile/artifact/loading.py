@@ -21,8 +21,10 @@ from rbcompile.artifact.ir import check_ir
 from rbcompile.artifact.manifest import CONFIG, GRAPH, MANIFEST, SOURCE, WEIGHTS
 from rbcompile.artifact.module import attach_weights, instantiate
 from rbcompile.artifact.offramps import RAMP_FILE, OffRamps
+from rbcompile.artifact.packed_weights import unpack
 from rbcompile.artifact.placement import check_same_dtype, parse_device, parse_dtype
 from rbcompile.errors import UserError, first_line
+from rbcompile.kernels.int_weights import dequantize
 
 
 def load_artifact(path, device=None, dtype=None, model_class: type = CompiledModel) -> CompiledModel:
@@ -38,8 +40,8 @@ def load_artifact(path, device=None, dtype=None, model_class: type = CompiledMod
     requested_dtype = parse_dtype(dtype)
     manifest = manifests.read(path)
     manifests.verify_files(path, manifest)
-    check_same_dtype(getattr(torch, manifest.get("architecture", {}).get("dtype", "float32")),
-                     requested_dtype)
+    stored_dtype = getattr(torch, manifest.get("architecture", {}).get("dtype", "float32"))
+    check_same_dtype(stored_dtype, requested_dtype)
     files = manifest["files"]
     ir, source = _read_graph(path, GRAPH, SOURCE)
     try:
@@ -49,6 +51,8 @@ def load_artifact(path, device=None, dtype=None, model_class: type = CompiledMod
     except Exception as exc:
         raise UserError(f"corrupt safetensors file {path / WEIGHTS}: "
                         f"{first_line(exc)}") from None
+    packed = unpack(path / manifest["packed_weights"]["file"]) if "packed_weights" in manifest else {}
+    tensors.update({key: dequantize(value).to(device, stored_dtype) for key, value in packed.items()})
     module = instantiate(source, str(path))
     attach_weights([module], tensors)
     if (len(manifest["regions"]) != len(ir["regions"])
@@ -72,6 +76,7 @@ def load_artifact(path, device=None, dtype=None, model_class: type = CompiledMod
                           manifest["decoder"].get("draft"))
     compiled = model_class(module, ir, source, manifest, tokenizer_dir=tokenizer_dir,
                            hf_config=hf_config, decoder=decoder)
+    compiled.loaded_packing = packed     # save() keeps these blocks where weights are unchanged
     if "offramps" in manifest:
         compiled.offramps = _load_offramps(path, manifest["offramps"]).to(device)
     return compiled

@@ -143,6 +143,7 @@ def validate(manifest: dict, where) -> None:
             draft.get("budget") is None or (_number(draft["budget"]) and 0 < draft["budget"] <= 1))):
         _fail(where, "decoder.draft.budget must be null or in (0, 1]")
     _check_precisions(where, manifest.get("precisions"))
+    _check_packed(where, manifest.get("packed_weights"), manifest["files"].get("sha256", {}))
     plans = manifest.get("plans")
     if plans is None:
         return
@@ -177,6 +178,19 @@ def _check_precisions(where, precisions) -> None:
             and isinstance(entry.get("heldout"), dict) for entry in precisions):
         _fail(where, "precisions must be a list of {level: int8 | int4, decoder_quality_loss "
                      ">= 0, heldout}")
+
+
+def _check_packed(where, packed, digests: dict) -> None:
+    """Linears stored packed (artifact/packed_weights.py): a level, its file (listed with a
+    sha256, so it is verified) and the largest weight change."""
+    if packed is None:
+        return
+    if not (isinstance(packed, dict) and packed.get("level") in ("int8", "int4")
+            and packed.get("file") == f"weights-{packed['level']}.safetensors"
+            and packed["file"] in digests and _number(packed.get("max_abs_error"))
+            and packed["max_abs_error"] >= 0):
+        _fail(where, "packed_weights must be {level: int8 | int4, file: weights-LEVEL."
+                     "safetensors (listed with its sha256), max_abs_error >= 0}")
 
 
 def verify_files(path: Path, manifest: dict) -> int:

@@ -187,6 +187,7 @@ def test_smollm2_executor_reproduces_the_shipped_weights_and_hf_tokens():
     from transformers import AutoTokenizer
 
     from rbcompile.artifact.models import load_hf_model, resolve_checkpoint
+    from rbcompile.artifact.packed_weights import pack
     from rbcompile.kernels.int_weights import dequantize
 
     path = resolve_checkpoint("smollm2-135m")
@@ -199,6 +200,8 @@ def test_smollm2_executor_reproduces_the_shipped_weights_and_hf_tokens():
     for key, level in (("model.layers.2.mlp.down_proj.weight", "int4"),
                        ("lm_head.weight", "int8")):
         assert torch.equal(dequantize(executor.array(f"{key}@{level}")), executor.tensors[key])
+    # so an artifact stored int4 (compile --weights int4) holds the source's values exactly
+    assert pack(dict(executor.tensors), "int4")[3].max_abs_error == 0
     model.use_executor("onnxruntime", "fp32")
     batch = AutoTokenizer.from_pretrained(path)(["The capital of France is"], return_tensors="pt")
     ids, mask = batch["input_ids"], batch["attention_mask"]

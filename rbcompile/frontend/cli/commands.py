@@ -32,7 +32,12 @@ def _cmd_compile(args) -> None:
         for entry in model.manifest["passes"]:
             say(f"  pass {entry['pass']}: {entry['summary']}")
     with step(f"writing artifact {args.output}"):
-        out = model.save(args.output)
+        out = model.save(args.output, weights=args.weights)
+    packed = model.manifest.get("packed_weights")
+    if packed:
+        change = packed["max_abs_error"]
+        print(f"linears stored {packed['level']} in {packed['file']}: largest weight change "
+              f"{change:.3g}{' (the source values exactly)' if change == 0 else ''}")
     counts = {}
     for region in model.regions:
         counts[region["kind"]] = counts.get(region["kind"], 0) + 1

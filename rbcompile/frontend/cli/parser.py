@@ -129,6 +129,10 @@ def _add_compile(sub) -> None:
                    help="decoders: weight precisions to measure on held-out text for `run` / "
                    "`serve --weights` (comma-separated among int8,int4, or none; default "
                    "auto: int8,int4 where the onnxruntime executor runs the model)")
+    p.add_argument("--weights", choices=("fp32", "int8", "int4"), default="fp32",
+                   help="store the linears at this precision, the smallest artifact (int4 keeps "
+                   "the vocabulary head int8); the full path runs their values. A GGUF source's "
+                   "own blocks are reproduced exactly; the largest change is printed")
     p.add_argument("--dump-pass", help="write the graph before/after this pass to ./rbcompile-dump")
     p.add_argument("-v", "--verbose", action="store_true", help="log every pass")
 

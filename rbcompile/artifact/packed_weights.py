@@ -1,0 +1,90 @@
+"""Linear weights stored packed (`compile --weights int8|int4`): the artifact's smallest form.
+
+The block projections and the vocabulary head are stored as int8 / int4 blocks
+(kernels/int_weights.py; the int4 level keeps the head at int8) in weights-LEVEL.safetensors,
+which the manifest lists with its sha256 like every file; the rest stays in weights.safetensors.
+Loading dequantizes the blocks into the tensors the generated module reads, so every executor
+runs them. Where the source's weights were already such blocks (a GGUF Q4_1 / Q8_0 file) the
+dequantized values are the source's exactly and the full path still equals the source model;
+the manifest's `packed_weights` records the largest change of any weight either way.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rbcompile.artifact.executors import HEAD, level_precision
+from rbcompile.errors import UserError
+from rbcompile.kernels.int_weights import LEVELS, PackedWeight, dequantize, quantize
+
+LAYOUT_KEY = "rbcompile_packing"   # safetensors metadata: key -> [bits, block, out, in]
+
+
+def packed_file(level: str) -> str:
+    return f"weights-{level}.safetensors"
+
+
+def linear_keys(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The weights a level packs: every 2-D projection and the vocabulary head."""
+    return [key for key, tensor in tensors.items()
+            if tensor.dim() == 2 and (key.endswith("_proj.weight") or key == HEAD)]
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """The manifest's `packed_weights`: the level, its file and the largest absolute change
+    any weight took (0: the source's values exactly)."""
+    level: str
+    file: str
+    max_abs_error: float
+
+    def to_json(self) -> dict:
+        return {"level": self.level, "file": self.file, "max_abs_error": self.max_abs_error}
+
+
+def pack(tensors: dict[str, torch.Tensor], level: str,
+         loaded: dict[str, PackedWeight] | None = None
+         ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str], PackedWeights]:
+    """(the tensors left at full precision, the packed parts, their safetensors metadata, the
+    manifest entry) for storing `tensors` at `level`. A weight that is still the dequantized
+    value of its `loaded` blocks keeps them (quantizing it again may move a scale by an ulp)."""
+    if level not in LEVELS:
+        raise UserError(f"--weights must be fp32 or one of {', '.join(LEVELS)}, got {level}")
+    levels = level_precision(level, linear_keys(tensors))
+    parts, layout, error = {}, {}, 0.0
+    for key, key_level in levels.items():
+        weight, packed = tensors[key].float(), (loaded or {}).get(key)
+        if packed is None or packed.bits != LEVELS[key_level] or not torch.equal(
+                dequantize(packed), weight):
+            packed = quantize(weight, LEVELS[key_level])
+        error = max(error, float((dequantize(packed) - weight).abs().max()))
+        layout[key] = [packed.bits, packed.block_size, packed.out_features, packed.in_features]
+        parts[f"{key}.data"] = torch.from_numpy(packed.data)
+        parts[f"{key}.scales"] = torch.from_numpy(packed.scales)
+        if packed.offsets is not None:
+            parts[f"{key}.offsets"] = torch.from_numpy(packed.offsets)
+    rest = {key: tensor for key, tensor in tensors.items() if key not in levels}
+    return (rest, parts, {LAYOUT_KEY: json.dumps(layout)},
+            PackedWeights(level, packed_file(level), error))
+
+
+def unpack(path: Path) -> dict[str, PackedWeight]:
+    """The packed weights of a file (its sha256 already verified)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            layout = json.loads((handle.metadata() or {})[LAYOUT_KEY])
+            parts = {key: handle.get_tensor(key) for key in handle.keys()}
+    except (KeyError, ValueError, OSError) as exc:
+        raise UserError(f"corrupt packed weights {path}: {exc}") from None
+    packed = {}
+    for key, (bits, block, out_features, in_features) in layout.items():
+        offsets = parts.get(f"{key}.offsets")
+        packed[key] = PackedWeight(
+            parts[f"{key}.data"].numpy(), parts[f"{key}.scales"].numpy(), bits, block,
+            out_features, in_features, None if offsets is None else offsets.numpy())
+    return packed
