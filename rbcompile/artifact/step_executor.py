@@ -27,6 +27,7 @@ from rbcompile.artifact.step_graph import (
     build_step_graph,
     unsupported_reason,
 )
+from rbcompile.artifact.packed_weights import linear_keys
 from rbcompile.kernels.int_weights import LEVELS, PackedWeight, quantize
 
 FULL_PRECISION_FROM = 32
@@ -88,8 +89,7 @@ class StepExecutor:
 
     def linear_weights(self) -> list[str]:
         """The names of the weights a precision can be given to (every linear, head included)."""
-        return [key for key, tensor in self.tensors.items()
-                if tensor.dim() == 2 and key.endswith("_proj.weight") or key == "lm_head.weight"]
+        return linear_keys(self.tensors)
 
     def array(self, name: str) -> np.ndarray | PackedWeight:
         """A weight the graph names (step_graph.build_step_graph's `source`), made on first
