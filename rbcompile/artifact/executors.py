@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from rbcompile.artifact.guard import QualityGuard
+from rbcompile.artifact.packed_weights import level_precision
 from rbcompile.errors import UserError
 
 EXECUTORS = ("auto", "torch", "onnxruntime")
@@ -117,14 +118,3 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
     decoder.precision = level_precision(weights, decoder.executor.linear_weights())
     return executor
 
-
-HEAD = "lm_head.weight"
-
-
-def level_precision(level: str, linears: list[str]) -> dict[str, str] | None:
-    """The precision per linear weight of a level (None: fp32). int4 keeps the vocabulary head
-    at int8, as llama.cpp's 4-bit files keep their output tensor at 6-8 bits: the head is
-    21% of SmolLM2's weights and the one most sensitive (a GGUF Q4_1 SmolLM2 ships it Q8_0)."""
-    if level == "fp32":
-        return None
-    return {key: "int8" if level == "int4" and key == HEAD else level for key in linears}
