@@ -21,13 +21,13 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from rbcompile.artifact.packed_weights import linear_keys
 from rbcompile.artifact.step_graph import (
     StepShape,
     StepVariant,
     build_step_graph,
     unsupported_reason,
 )
-from rbcompile.artifact.packed_weights import linear_keys
 from rbcompile.kernels.int_weights import LEVELS, PackedWeight, quantize
 
 FULL_PRECISION_FROM = 32
