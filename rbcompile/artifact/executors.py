@@ -115,6 +115,7 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
         decoder.step_executor = StepExecutor(module_weights(decoder.module), compiled.hf_config,
                                              decoder.mlp_layers(), threads=threads)
     decoder.executor = decoder.step_executor
+    decoder.executor.prepack = weights == "fp32"
     decoder.precision = level_precision(weights, decoder.executor.linear_weights())
     return executor
 

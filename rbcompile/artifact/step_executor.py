@@ -57,10 +57,7 @@ class StepExecutor:
         self.shape = StepShape.from_config(config)
         self.mlp_gates = mlp_gates        # gate index -> layer whose MLP branch it turns off
         self.threads, self.max_sessions = threads, max_sessions
-        # the full path's graph (every step of lossless decoding) holds its own prepacked copy
-        # of the fp32 weights: its GEMVs are faster than on the weights bound by pointer
-        # (docs/executor.md), for one more copy of them in memory
-        self.prepack = prepack
+        self._prepack = prepack
         # steps of at least this many tokens per row (prefills) run the fp32 weights: int8 /
         # int4 MatMulNBits is slower than fp32 on GEMMs (benchmarks/bench_precision.py); None:
         # every step at the given precision (what calibration measures)
@@ -77,6 +74,20 @@ class StepExecutor:
         self._values: dict[str, object] = {}
         # variant -> where its binding's cache inputs / outputs point (rebound when they move)
         self._cache_bound: dict[StepVariant, tuple] = {}
+
+    @property
+    def prepack(self) -> bool:
+        """Whether the full path's graph (every step of lossless decoding) holds its own
+        prepacked copy of the fp32 weights: its GEMVs are faster than on the weights bound by
+        pointer (docs/executor.md), for one more copy of them in memory. Off while decoding at
+        a lower precision, whose prefills are the full path's only use."""
+        return self._prepack
+
+    @prepack.setter
+    def prepack(self, value: bool) -> None:
+        if value != self._prepack:
+            self.sessions.pop(StepVariant(), None)
+            self._prepack = value
 
     # ---- variants -----------------------------------------------------------------------
 

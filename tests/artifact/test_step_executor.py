@@ -99,6 +99,8 @@ def test_only_the_full_path_graph_prepacks_its_fp32_weights(llama):
         assert (weight in initializers, weight in inputs, weight in names) == (
             prepacked, not prepacked, not prepacked)
     assert executor.prepack
+    model.use_executor("onnxruntime", "int4")   # its prefills run the full path, unpacked
+    assert not executor.prepack
     model.use_executor("torch")
 
 
