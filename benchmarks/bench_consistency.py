@@ -3,6 +3,11 @@ wall time of greedy 1, fixed 3, fixed 7, the complexity router and the router wi
 on the test split of benchmarks/data/consistency-questions.jsonl.
 
     python benchmarks/bench_consistency.py [build/smollm2-135m] [--limit N]
+        [--contenders greedy-1 fixed-7 ...] [--weights fp32 int4]
+
+--weights runs the contenders once per weight precision on the onnxruntime executor (issue 45:
+what a 7-sample vote costs and scores in int4 against fp32); the router's own accuracy is
+measured at the first level.
 
 Each contender answers every test question in one continuous batch (`--max-batch` rows, a
 shared prefix cache holding the few-shot prefix); samples draw at the router's sampling setting
@@ -50,6 +55,7 @@ from rbcompile.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
 from rbcompile.runtime.engine.sampling import SamplingConfig  # noqa: E402
 
 RESAMPLES = 2000
+CONTENDERS = ("greedy 1", "fixed 3", "fixed 7", "router", "router + early stop")
 
 
 def bootstrap(correct: list[bool], seed: int = 0) -> tuple[float, float]:
@@ -81,6 +87,11 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="the first N test questions only")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--contenders", nargs="+", choices=[c.replace(" ", "-") for c in CONTENDERS],
+                        help="default: all")
+    parser.add_argument("--weights", nargs="+", choices=("fp32", "int8", "int4"),
+                        help="run the contenders at each of these weight precisions, on the "
+                        "onnxruntime executor (default: the torch executor at fp32)")
     parser.add_argument("--json", help="output path (default benchmarks/results/consistency.json)")
     args = parser.parse_args()
     pin_threads(args.threads)
@@ -103,11 +114,32 @@ def main() -> None:
         "router + early stop": lambda e, p: RoutedGroup(e, p, router, sampling=sampled, options=early,
                                                         **common),
     }
-    run(model, prompts[:1], contenders["fixed 3"], args.max_batch)   # warm-up, not timed
+    if args.contenders:
+        contenders = {name: contenders[name] for name in CONTENDERS
+                      if name.replace(" ", "-") in args.contenders}
+    results, answers, fixed7 = {}, {}, []
+    for level in args.weights or [None]:
+        if level is not None:
+            model.use_executor("onnxruntime", level, threads=args.threads)
+        suffix = "" if level in (None, (args.weights or ["fp32"])[0]) else f" ({level})"
+        run(model, prompts[:1], next(iter(contenders.values())), args.max_batch)  # warm-up
+        measured, level_answers, level_fixed7 = measure(model, contenders, prompts, gold,
+                                                        args.max_batch)
+        if not suffix:
+            answers, fixed7 = level_answers, level_fixed7
+        for name, result in measured.items():
+            result["weights"] = level or "fp32"
+            results[name + suffix] = result
+    summarise(results, answers, fixed7, gold, router, rows, setting, form, args)
+
+
+def measure(model, contenders: dict, prompts, gold, max_batch: int):
+    """Each contender over every prompt: (results, answers per contender, fixed 7's sample
+    answers)."""
     results, answers, fixed7 = {}, {}, []
     for name, make_group in contenders.items():
-        print(f"{name}: {len(rows)} questions", file=sys.stderr)
-        groups, seconds = run(model, prompts, make_group, args.max_batch)
+        print(f"{name}: {len(prompts)} questions", file=sys.stderr)
+        groups, seconds = run(model, prompts, make_group, max_batch)
         samples = [getattr(group, "group", group) for group in groups]
         votes = [group.voter.vote() for group in samples]
         answers[name] = [vote.answer for vote in votes]
@@ -119,54 +151,74 @@ def main() -> None:
                      for vote in votes]
         tiers = [getattr(group, "tier", None) for group in groups]
         results[name] = {
-            "accuracy": sum(correct) / len(rows), "accuracy_95": bootstrap(correct),
+            "accuracy": sum(correct) / len(prompts), "accuracy_95": bootstrap(correct),
             "tokens": sum(group.new_tokens for group in groups), "seconds": seconds,
-            "rows_per_question": sum(group.drawn for group in samples) / len(rows),
-            "consistency": sum(agreement) / len(rows),
+            "rows_per_question": sum(group.drawn for group in samples) / len(prompts),
+            "consistency": sum(agreement) / len(prompts),
             "tiers": {tier: tiers.count(tier) for tier in (1, 3, 7)} if tiers[0] else None,
             "router_tiers": tiers if tiers[0] else None}
-    seven, greedy = results["fixed 7"], results["greedy 1"]
+    seven, greedy = results.get("fixed 7"), results.get("greedy 1")
     for result in results.values():
-        result["tokens_vs_fixed7"] = result["tokens"] / seven["tokens"]
-        result["speed"] = greedy["seconds"] / result["seconds"]
+        result["tokens_vs_fixed7"] = result["tokens"] / seven["tokens"] if seven else None
+        result["speed"] = greedy["seconds"] / result["seconds"] if greedy else None
         result["quality"] = (0.6 * result["accuracy"] + 0.3 * result["consistency"]
-                             + 0.1 * result["speed"])
-    labels = [label_tier(first, seven, answer)
-              for first, seven, answer in zip(answers["greedy 1"], fixed7, gold)]
-    chosen = results["router"]["router_tiers"]
-    router_accuracy = sum(a == b for a, b in zip(chosen, labels)) / len(rows)
-    needed = sum((a > 1) == (b > 1) for a, b in zip(chosen, labels)) / len(rows)
-    # the earlier label: does a 7-vote (greedy + 6 samples) change the greedy answer?
-    changed = [vote_of(first, seven, 7) != first
-               for first, seven in zip(answers["greedy 1"], fixed7)]
-    change = sum((a > 1) == b for a, b in zip(chosen, changed)) / len(rows)
+                             + 0.1 * result["speed"]) if greedy else None
+    return results, answers, fixed7
+
+
+def summarise(results, answers, fixed7, gold, router, rows, setting, form, args) -> None:
+    """The table, the router's accuracy (when greedy 1, fixed 7 and router ran), the JSON."""
     table = [{"name": name, "acc": f"{100 * r['accuracy']:.1f}",
               "ci": f"[{100 * r['accuracy_95'][0]:.1f}, {100 * r['accuracy_95'][1]:.1f}]",
               "samples": f"{r['rows_per_question']:.2f}", "tokens": r["tokens"],
-              "share": f"{100 * r['tokens_vs_fixed7']:.0f}%", "wall": f"{r['seconds']:.0f}",
-              "cons": f"{r['consistency']:.3f}", "speed": f"{r['speed']:.2f}",
-              "quality": f"{r['quality']:.3f}"} for name, r in results.items()]
+              "share": _percent(r["tokens_vs_fixed7"]), "wall": f"{r['seconds']:.0f}",
+              "tok_s": f"{r['tokens'] / r['seconds']:.1f}", "cons": f"{r['consistency']:.3f}",
+              "speed": _fixed(r["speed"], 2), "quality": _fixed(r["quality"], 3)}
+             for name, r in results.items()]
     print_table(table, [("name", "contender"), ("acc", "accuracy %"), ("ci", "95% CI"),
                         ("samples", "rows/q"), ("tokens", "tokens"), ("share", "of fixed 7"),
-                        ("wall", "wall s"), ("cons", "consistency"), ("speed", "speed"),
-                        ("quality", "quality")])
-    print(f"router on the {len(rows)} test questions: tier accuracy {100 * router_accuracy:.1f}% "
-          f"(labels {dict((t, labels.count(t)) for t in (1, 3, 7))}; always 1: "
-          f"{100 * labels.count(1) / len(rows):.1f}%), 'a vote is needed' accuracy "
-          f"{100 * needed:.1f}%; 'a 7-vote changes the greedy answer' accuracy "
-          f"{100 * change:.1f}% ({sum(changed)} change; never: "
-          f"{100 * (1 - sum(changed) / len(rows)):.1f}%); cross-validated at training: "
-          f"{router.info.get('cv_tier_accuracy')}")
+                        ("wall", "wall s"), ("tok_s", "tokens/s"), ("cons", "consistency"),
+                        ("speed", "speed"), ("quality", "quality")])
+    router_summary = None
+    if {"greedy 1", "fixed 7", "router"} <= set(answers):
+        router_summary = _router_accuracy(results, answers, fixed7, gold, router, len(rows))
     for result in results.values():
         result.pop("router_tiers")
     path = write_json("consistency", {
         "artifact": args.artifact, "questions": len(rows), "sampling": setting,
         "max_new_tokens": form.max_new_tokens, "sample_seed": SEED, "contenders": results,
-        "router": {"test_tier_accuracy": router_accuracy, "test_vote_needed_accuracy": needed,
-                   "test_change_accuracy": change, "test_changes": sum(changed),
-                   "test_labels": {t: labels.count(t) for t in (1, 3, 7)}, "info": router.info}},
-        args.json)
+        "router": router_summary}, args.json)
     print(f"wrote {path}")
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _fixed(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _router_accuracy(results, answers, fixed7, gold, router, count: int) -> dict:
+    labels = [label_tier(first, seven, answer)
+              for first, seven, answer in zip(answers["greedy 1"], fixed7, gold)]
+    chosen = results["router"]["router_tiers"]
+    router_accuracy = sum(a == b for a, b in zip(chosen, labels)) / count
+    needed = sum((a > 1) == (b > 1) for a, b in zip(chosen, labels)) / count
+    # the earlier label: does a 7-vote (greedy + 6 samples) change the greedy answer?
+    changed = [vote_of(first, seven, 7) != first
+               for first, seven in zip(answers["greedy 1"], fixed7)]
+    change = sum((a > 1) == b for a, b in zip(chosen, changed)) / count
+    print(f"router on the {count} test questions: tier accuracy {100 * router_accuracy:.1f}% "
+          f"(labels {dict((t, labels.count(t)) for t in (1, 3, 7))}; always 1: "
+          f"{100 * labels.count(1) / count:.1f}%), 'a vote is needed' accuracy "
+          f"{100 * needed:.1f}%; 'a 7-vote changes the greedy answer' accuracy "
+          f"{100 * change:.1f}% ({sum(changed)} change; never: "
+          f"{100 * (1 - sum(changed) / count):.1f}%); cross-validated at training: "
+          f"{router.info.get('cv_tier_accuracy')}")
+    return {"test_tier_accuracy": router_accuracy, "test_vote_needed_accuracy": needed,
+            "test_change_accuracy": change, "test_changes": sum(changed),
+            "test_labels": {t: labels.count(t) for t in (1, 3, 7)}, "info": router.info}
 
 
 if __name__ == "__main__":
