@@ -24,7 +24,6 @@ from rbcompile.artifact.offramps import RAMP_FILE, OffRamps
 from rbcompile.artifact.packed_weights import unpack
 from rbcompile.artifact.placement import check_same_dtype, parse_device, parse_dtype
 from rbcompile.errors import UserError, first_line
-from rbcompile.kernels.int_weights import dequantize
 
 
 def load_artifact(path, device=None, dtype=None, model_class: type = CompiledModel) -> CompiledModel:
@@ -51,8 +50,13 @@ def load_artifact(path, device=None, dtype=None, model_class: type = CompiledMod
     except Exception as exc:
         raise UserError(f"corrupt safetensors file {path / WEIGHTS}: "
                         f"{first_line(exc)}") from None
-    packed = unpack(path / manifest["packed_weights"]["file"]) if "packed_weights" in manifest else {}
-    tensors.update({key: dequantize(value).to(device, stored_dtype) for key, value in packed.items()})
+    packed = {}
+    if "packed_weights" in manifest:
+        from rbcompile.kernels.int_weights import dequantize
+
+        packed = unpack(path / manifest["packed_weights"]["file"])
+        tensors.update({key: dequantize(value).to(device, stored_dtype)
+                        for key, value in packed.items()})
     module = instantiate(source, str(path))
     attach_weights([module], tensors)
     if (len(manifest["regions"]) != len(ir["regions"])

@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rbcompile.errors import UserError
-from rbcompile.kernels.int_weights import LEVELS, PackedWeight, dequantize, quantize
+
+if TYPE_CHECKING:
+    from rbcompile.kernels.int_weights import PackedWeight
 
 LAYOUT_KEY = "rbcompile_packing"   # safetensors metadata: key -> [bits, block, out, in]
 
@@ -62,6 +65,8 @@ def pack(tensors: dict[str, torch.Tensor], level: str,
     """(the tensors left at full precision, the packed parts, their safetensors metadata, the
     manifest entry) for storing `tensors` at `level`. A weight that is still the dequantized
     value of its `loaded` blocks keeps them (quantizing it again may move a scale by an ulp)."""
+    from rbcompile.kernels.int_weights import LEVELS, dequantize, quantize
+
     if level not in LEVELS:
         raise UserError(f"--weights must be fp32 or one of {', '.join(LEVELS)}, got {level}")
     levels = level_precision(level, linear_keys(tensors))
@@ -85,6 +90,8 @@ def pack(tensors: dict[str, torch.Tensor], level: str,
 def unpack(path: Path) -> dict[str, PackedWeight]:
     """The packed weights of a file (its sha256 already verified)."""
     from safetensors import safe_open
+
+    from rbcompile.kernels.int_weights import PackedWeight
 
     try:
         with safe_open(str(path), framework="pt") as handle:

@@ -211,8 +211,8 @@ def test_signal_after_the_output_is_in_place_does_not_stop_the_command(tiny_chec
 
     save = CompiledModel.save
 
-    def save_then_signalled(self, out_dir):
-        out = save(self, out_dir)
+    def save_then_signalled(self, out_dir, weights=None):
+        out = save(self, out_dir, weights)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)  # the handler runs here
         return out
@@ -231,13 +231,13 @@ def test_a_stop_that_code_swallowed_still_keeps_the_earlier_artifact(artifact, t
 
     save = CompiledModel.save
 
-    def swallowed_then_save(self, out_dir):
+    def swallowed_then_save(self, out_dir, weights=None):
         try:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)  # the handler runs here
         except KeyboardInterrupt:
             pass
-        return save(self, out_dir)
+        return save(self, out_dir, weights)
 
     target = _copy(artifact, tmp_path / "art")
     before = _snapshot(target)
