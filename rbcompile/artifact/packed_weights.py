@@ -23,8 +23,6 @@ if TYPE_CHECKING:
     from rbcompile.kernels.int_weights import PackedWeight
 
 LAYOUT_KEY = "rbcompile_packing"   # safetensors metadata: key -> [bits, block, out, in]
-
-
 HEAD = "lm_head.weight"
 
 
