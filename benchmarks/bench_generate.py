@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import pin_threads, print_table, write_json  # noqa: E402
-from peers import PEERS, peer_contenders  # noqa: E402
+from peers import PEER_TARGETS, PEERS, peer_contenders  # noqa: E402
 
 import rbcompile  # noqa: E402
 from rbcompile.runtime.engine.core import EngineRequest  # noqa: E402
@@ -327,8 +327,8 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
     out = []
     for batch in sorted({r["batch"] for r in rows}):
         at_least("onnxruntime off", "rbcompile off", batch)
-        for peer in PEERS:
-            at_least("onnxruntime off", peer, batch)
+        for contender, peer in PEER_TARGETS:
+            at_least(contender, peer, batch)
         found = ratios("rbcompile off", batches=[batch])
         out.append((f"off >= 1.0x HF at batch {batch} (every workload)",
                     all(r["vs_hf"] >= 1.0 for r in found) if found else None,

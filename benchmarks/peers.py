@@ -27,6 +27,10 @@ GENAI = "ORT GenAI fp32"
 LLAMA = {"llama.cpp F32": ("f32", False), "llama.cpp F32 lookup": ("f32", True),
          "llama.cpp Q8_0": ("q8_0", False), "llama.cpp Q4_1": ("shipped", False)}
 PEERS = (GENAI, *LLAMA)
+# issue 45's targets: each rbcompile contender at least as fast as its peer
+PEER_TARGETS = (("onnxruntime off", GENAI), ("onnxruntime off", "llama.cpp F32"),
+                ("onnxruntime ngram", "llama.cpp F32 lookup"),
+                ("onnxruntime int8 off", "llama.cpp Q8_0"), ("onnxruntime int4 off", "llama.cpp Q4_1"))
 LOOKUP_TOKENS = 10   # llama.cpp's prompt-lookup draft length (LlamaPromptLookupDecoding)
 
 
