@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
 
 RBCOMPILE = {"rbcompile fp32": "fp32", "rbcompile int4": "int4", "rbcompile packed int4": "fp32"}
-CONTENDERS = (*RBCOMPILE, "HF generate", *peers.PEERS)
+# prompt lookup changes decoding, not what a user pays to load and prefill: left out
+CONTENDERS = (*RBCOMPILE, "HF generate", *(p for p in peers.PEERS if p not in peers.LOOKUP))
 
 
 def _size(path: Path) -> int:
@@ -107,6 +108,7 @@ def _peer_child(name: str, args, ids: list[int]) -> dict:
         llama = peers.load_llama(hf, args.threads, peers.LLAMA[name])
 
         def stream():
+            llama.reset()   # the prompt prefilled again, not its cached prefix reused
             for count, token in enumerate(llama.generate(ids, temp=0.0, top_k=1, top_p=1.0,
                                                          min_p=0.0, repeat_penalty=1.0,
                                                          reset=True)):

@@ -27,6 +27,7 @@ GENAI = "ORT GenAI fp32"
 LLAMA = {"llama.cpp F32": ("f32", False), "llama.cpp F32 lookup": ("f32", True),
          "llama.cpp Q8_0": ("q8_0", False), "llama.cpp Q4_1": ("shipped", False)}
 PEERS = (GENAI, *LLAMA)
+LOOKUP = tuple(name for name, (_, lookup) in LLAMA.items() if lookup)
 # issue 45's targets: each rbcompile contender at least as fast as its peer
 PEER_TARGETS = (("onnxruntime off", GENAI), ("onnxruntime off", "llama.cpp F32"),
                 ("onnxruntime ngram", "llama.cpp F32 lookup"),
@@ -143,6 +144,7 @@ def _llama_run(model, eos: set[int], new_tokens: int, input_ids, attention_mask)
     rows = []
     for row, keep in zip(input_ids, attention_mask):
         out = []
+        model.reset()   # no prefix of an earlier call reused: every row prefills in full
         for token in model.generate(row[keep.bool()].tolist(), temp=0.0, top_k=1, top_p=1.0,
                                     min_p=0.0, repeat_penalty=1.0, reset=True):
             out.append(token)
