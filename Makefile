@@ -94,7 +94,8 @@ bench: $(STAMP)
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 PEERS_PIP := $(PEERS_VENV)/bin/python -m pip install --quiet -c constraints.txt -c constraints-peers.txt
-WHEELS := $(or $(RBCOMPILE_CACHE),$(HOME)/.cache/rbcompile)/wheels
+# (built with -march=native: kept per CPU, by a hash of its flags)
+WHEELS := $(or $(RBCOMPILE_CACHE),$(HOME)/.cache/rbcompile)/wheels/$(shell grep -m1 '^flags' /proc/cpuinfo | md5sum | cut -c1-12)
 LLAMA_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' constraints-peers.txt)
 LLAMA_CMAKE := -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF

@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
 
-RBCOMPILE = {"rbcompile fp32": "fp32", "rbcompile int4": "int4", "rbcompile packed int4": "fp32"}
+# contender -> the executor's weights; "int4 artifact": one compiled with --weights int4, whose
+# stored blocks load as fp32 tensors
+RBCOMPILE = {"rbcompile fp32": "fp32", "rbcompile int4": "int4", "rbcompile int4 artifact": "fp32"}
 # prompt lookup changes decoding, not what a user pays to load and prefill: left out
 CONTENDERS = (*RBCOMPILE, "HF generate", *(p for p in peers.PEERS if p not in peers.LOOKUP))
 
@@ -36,20 +38,20 @@ def _size(path: Path) -> int:
         else path.stat().st_size
 
 
-def _timed(first_token_at: list[float], tokens):
+def _timed(tokens):
     """Consumes a token stream: (tokens, seconds to the first, seconds from first to last)."""
-    start, out = time.perf_counter(), []
+    start, out, times = time.perf_counter(), [], []
     for token in tokens:
         out.append(token)
-        first_token_at.append(time.perf_counter())
-    return out, first_token_at[0] - start, first_token_at[-1] - first_token_at[0]
+        times.append(time.perf_counter())
+    return out, times[0] - start, times[-1] - times[0]
 
 
 def _rbcompile_child(name: str, args, ids: list[int]) -> dict:
     import torch
 
     import rbcompile
-    folder = args.packed_artifact if name == "rbcompile packed int4" else args.artifact
+    folder = args.packed_artifact if name == "rbcompile int4 artifact" else args.artifact
     torch.set_num_threads(args.threads)
     model = rbcompile.load(folder)
     model.use_executor("onnxruntime", RBCOMPILE[name], threads=args.threads)
@@ -117,7 +119,7 @@ def _peer_child(name: str, args, ids: list[int]) -> dict:
                     return
         loaded = peers.gguf_file(hf, peers.LLAMA[name][0])
     list(stream())   # warm
-    tokens, ttft, decode = _timed([], stream())
+    tokens, ttft, decode = _timed(stream())
     return {"ttft_s": ttft, "decode_tok_s": (len(tokens) - 1) / max(decode, 1e-9),
             "size_bytes": _size(loaded)}
 
@@ -166,7 +168,7 @@ def main() -> None:
     from rbcompile.artifact.models import resolve_checkpoint
     args.hf_folder = str(resolve_checkpoint(manifest["source"]["path"]))
     names = [c.replace("-", " ") for c in args.contenders] if args.contenders else list(CONTENDERS)
-    names = [n for n in names if (n != "rbcompile packed int4" or args.packed_artifact)
+    names = [n for n in names if (n != "rbcompile int4 artifact" or args.packed_artifact)
              and (n not in peers.PEERS or not peers.missing_reason(n))]
     prompt_file = Path(args.json or "benchmarks/results/bench_footprint.json").with_suffix(".ids")
     prompt_file.parent.mkdir(parents=True, exist_ok=True)
@@ -182,7 +184,7 @@ def main() -> None:
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
             out = subprocess.run(command, capture_output=True, text=True, env=env)
             if out.returncode:
-                raise SystemExit(f"{name} failed: {out.stderr.strip().splitlines()[-1:]}")
+                raise SystemExit(f"{name} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"  run {run + 1} {name}: {results[name][-1]}", flush=True)
     rows = [{"contender": name, **{key: statistics.median(r[key] for r in runs)

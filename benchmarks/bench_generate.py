@@ -21,7 +21,8 @@ Writes benchmarks/results/bench_generate.json (every raw time) or --json PATH.
 / auto (`generate`, a static batch) and engine off / ngram: the continuous-batching engine
 (`batch_engine`, what `rbcompile serve` runs) given the batch's prompts unpadded at once, with
 `speculate` n-gram drafts verified in its batch steps for engine ngram; and the peers users
-pick instead (benchmarks/peers.py, installed by `make bench-peers`): ORT GenAI fp32.
+pick instead (benchmarks/peers.py, installed by `make bench-peers`): ORT GenAI fp32, llama.cpp F32
+(with and without prompt lookup), Q8_0 and the shipped Q4_1.
 
     python benchmarks/bench_generate.py [--samples 3] [--rounds 1] [--new-tokens 128]
         [--batches 1 8] [--workloads continuation grounded technical] [--threads 2] [--dtype bf16]

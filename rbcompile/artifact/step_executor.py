@@ -13,15 +13,13 @@ bound once.
 """
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from rbcompile.artifact.packed_weights import linear_keys
+from rbcompile.artifact.page_release import release_file_pages
 from rbcompile.artifact.step_graph import (
     StepShape,
     StepVariant,
@@ -31,7 +29,6 @@ from rbcompile.artifact.step_graph import (
 from rbcompile.kernels.int_weights import LEVELS, PackedWeight, quantize
 
 FULL_PRECISION_FROM = 32
-MADV_PAGEOUT = 21   # Linux 5.4+
 EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -70,10 +67,11 @@ class StepExecutor:
         self.arrays: dict[str, np.ndarray | PackedWeight] = {
             key: tensor.numpy() for key, tensor in self.tensors.items()}
         self.sessions: OrderedDict[StepVariant, object] = OrderedDict()
-        # packed weight -> OrtValue, made once (each session copies it into its own layout)
+        # initializer -> OrtValue, made once (each session copies it into its own layout)
         self._values: dict[str, object] = {}
         # variant -> where its binding's cache inputs / outputs point (rebound when they move)
         self._cache_bound: dict[StepVariant, tuple] = {}
+        self._pages_released = False   # the mapped fp32 weights, once prepacked
 
     @property
     def prepack(self) -> bool:
@@ -132,16 +130,18 @@ class StepExecutor:
                                           [self._values[name] for name in initializers])
         session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                                providers=["CPUExecutionProvider"])
-        if prepack:  # the session has its own copy: the mapped weights' pages can go
-            release_pages(self.tensors[key] for key in self.linear_weights()
-                          if key != "lm_head.weight")   # (tied: the embedding's Gather reads it)
+        if prepack and not self._pages_released:  # the session has its own copy of them
+            embedding = self.tensors["model.embed_tokens.weight"].data_ptr()  # Gather reads it
+            release_file_pages([self.tensors[key] for key in self.linear_weights()
+                                if self.tensors[key].data_ptr() != embedding])
+            self._pages_released = True
         binding = session.io_binding()   # the weights bound once; each step binds the rest
         for name in weights:
             _bind(binding.bind_input, name, self.tensors[name])
         self.sessions[variant] = session, binding
         self._cache_bound.pop(variant, None)
         while len(self.sessions) > self.max_sessions:
-            self.sessions.popitem(last=False)
+            self._cache_bound.pop(self.sessions.popitem(last=False)[0], None)
         return self.sessions[variant]
 
     # ---- a step ---------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class StepExecutor:
         """Binds the cache read and the cache written, unless they are where the previous step
         of this variant had them (a decode loop's cache stays put: four binds a layer spared
         per step)."""
-        where = tuple((t.data_ptr(), *t.shape) for t in (*cache, *written))
+        where = tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (*cache, *written))
         if self._cache_bound.get(variant) == where:
             return
         stem = "present" if variant.fused_attention else "new"
@@ -205,23 +205,6 @@ def sequence_logits(step, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     slots = torch.arange(tokens)
     return step(input_ids, attention_mask, positions, slots, slots, cache)
-
-
-def release_pages(tensors) -> None:
-    """Asks Linux to page out the memory of `tensors` (madvise MADV_PAGEOUT): pages mapped
-    from the artifact's file leave memory and come back from it if read again; others stay
-    (no swap) or are swapped. Data is never lost; elsewhere, or on an older kernel, nothing
-    happens."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.PAGESIZE
-    for tensor in tensors:
-        start = -(-tensor.data_ptr() // page) * page
-        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
-        if end > start:
-            libc.madvise(start, end - start, MADV_PAGEOUT)
 
 
 def _bind(bind, name: str, tensor: torch.Tensor) -> None:

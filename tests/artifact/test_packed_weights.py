@@ -48,9 +48,14 @@ def test_int4_artifact_stores_blocks_and_loads_their_values(packed):
     assert len(model.generate(ids, torch.ones_like(ids), max_new_tokens=4).tokens[0]) == 4
 
 
-def test_saving_a_packed_artifact_again_keeps_its_blocks(packed):
+def test_saving_a_packed_artifact_again_keeps_its_blocks(packed, monkeypatch):
+    import rbcompile.kernels.int_weights as int_weights
+
     _, folder, root = packed
-    again = rbcompile.load(folder).save(root / "again")
+    model = rbcompile.load(folder)
+    monkeypatch.setattr(int_weights, "quantize", lambda *a, **k: pytest.fail("re-quantized"))
+    again = model.save(root / "again")
+    monkeypatch.undo()
     with safe_open(str(folder / "weights-int4.safetensors"), "pt") as first, \
             safe_open(str(again / "weights-int4.safetensors"), "pt") as second:
         assert first.keys() == second.keys()
@@ -76,6 +81,43 @@ def test_a_flipped_byte_in_the_packed_file_is_refused(packed, tmp_path, capsys):
     assert "sha256 does not match" in capsys.readouterr().err
 
 
+def test_the_manifest_and_the_layout_are_checked(packed, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    _, folder, _ = packed
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["schema_version"] == 3     # a reader that cannot unpack refuses it
+    for change, message in (({"schema_version": 2}, "come with schema version 3"),
+                            ({"packed_weights": {**manifest["packed_weights"],
+                                                 "file": "weights.safetensors"}},
+                             "packed_weights must be")):
+        copy = tmp_path / message.split()[0]
+        shutil.copytree(folder, copy)
+        (copy / "manifest.json").write_text(json.dumps({**manifest, **change}))
+        with pytest.raises(UserError, match=message):
+            rbcompile.load(copy)
+    from rbcompile.artifact.packed_weights import unpack
+    save_file({"a.data": torch.zeros(2, dtype=torch.uint8)}, str(tmp_path / "bad.safetensors"),
+              metadata={"rbcompile_packing": json.dumps({"a": [4, 32, 2, 32]})})
+    with pytest.raises(UserError, match="corrupt packed weights .*KeyError"):
+        unpack(tmp_path / "bad.safetensors")
+
+
 def test_pack_refuses_an_unknown_level():
     with pytest.raises(UserError, match="--weights must be fp32 or one of int8, int4"):
         pack({"a_proj.weight": torch.zeros(4, 32)}, "int2")
+
+
+def test_weights_changed_by_packing_leave_their_calibration_unmeasured():
+    from rbcompile.artifact.packed_weights import unmeasure
+
+    manifest = {"precisions": [{"level": "int4"}],
+                "plans": [{"budget": 0, "quality_loss": 0.0, "decoder_quality_loss": 0.0},
+                          {"budget": 0.1, "quality_loss": 0.02, "decoder_quality_loss": 0.03}]}
+    kept = manifest["plans"][1]
+    unmeasure(manifest)
+    assert "precisions" not in manifest and kept["quality_loss"] == 0.02   # a copy changed
+    assert [(p["quality_loss"], p["decoder_quality_loss"]) for p in manifest["plans"]] == [
+        (0.0, 0.0), (None, None)]

@@ -98,9 +98,11 @@ def test_only_the_full_path_graph_prepacks_its_fp32_weights(llama):
         names = {value.name for value in graph.graph.input}
         assert (weight in initializers, weight in inputs, weight in names) == (
             prepacked, not prepacked, not prepacked)
-    assert executor.prepack
+    inputs = {value.name for value in executor.session(StepVariant())[0].get_inputs()}
+    assert executor.prepack and weight not in inputs      # what the executor itself built
     model.use_executor("onnxruntime", "int4")   # its prefills run the full path, unpacked
-    assert not executor.prepack
+    inputs = {value.name for value in executor.session(StepVariant())[0].get_inputs()}
+    assert not executor.prepack and weight in inputs
     model.use_executor("torch")
 
 

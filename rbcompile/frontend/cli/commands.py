@@ -37,7 +37,8 @@ def _cmd_compile(args) -> None:
     if packed:
         change = packed["max_abs_error"]
         print(f"linears stored {packed['level']} in {packed['file']}: largest weight change "
-              f"{change:.3g}{' (the source values exactly)' if change == 0 else ''}")
+              f"{change:.3g}" + (" (the source values exactly)" if change == 0 else
+                                 "; plans measured before packing are now unmeasured"))
     counts = {}
     for region in model.regions:
         counts[region["kind"]] = counts.get(region["kind"], 0) + 1
