@@ -61,9 +61,10 @@ def test_newer_schema_is_refused(artifact, tmp_path):
     art = tmp_path / "art"
     shutil.copytree(artifact, art)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["schema_version"] = 3
+    manifest["schema_version"] = 4
     (art / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match="unsupported schema version 3"):
+    with pytest.raises(UserError, match=r"unsupported schema version 4 \(this rbcompile reads 2 "
+                                        r"and 3\)"):
         rbcompile.load(art)
 
 

@@ -93,7 +93,7 @@ def test_schema_1_artifact_is_replaced_but_not_loaded(artifact, tiny_checkpoints
     del manifest["decoder"]
     (old / "manifest.json").write_text(json.dumps(manifest))
     assert main(["inspect", str(old)]) == 2
-    assert "unsupported schema version 1 (this rbcompile reads 2); recompile it" in _last_error(capsys)
+    assert "unsupported schema version 1 (this rbcompile reads 2 and 3); recompile it" in _last_error(capsys)
     assert main(["compile", str(tiny_checkpoints["llama"]), "-o", str(old)]) == 0
 
 
