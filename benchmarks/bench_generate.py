@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import pin_threads, print_table, write_json  # noqa: E402
-from peers import PEER_TARGETS, PEERS, peer_contenders  # noqa: E402
+from peers import PEER_TARGETS, PEERS, peer_contenders, until_eos  # noqa: E402
 
 import rbcompile  # noqa: E402
 from rbcompile.runtime.engine.core import EngineRequest  # noqa: E402
@@ -157,13 +157,6 @@ def batches(tokenizer, workload: str, batch: int, samples: int) -> list[dict]:
 
 # ---- contenders ------------------------------------------------------------------------------
 
-def _until_eos(row: list[int], eos: set[int]) -> list[int]:
-    for i, token in enumerate(row):
-        if token in eos:
-            return row[:i + 1]
-    return row
-
-
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -180,7 +173,7 @@ def make_contenders(compiled, eager, eos: set[int], pad: int, new_tokens: int, t
             out = eager.generate(input_ids=input_ids, attention_mask=mask, do_sample=False,
                                  max_new_tokens=new_tokens, pad_token_id=pad,
                                  eos_token_id=eos_list)
-        return [_until_eos(row, eos) for row in out[:, input_ids.shape[1]:].tolist()], None
+        return [until_eos(row, eos) for row in out[:, input_ids.shape[1]:].tolist()], None
 
     def rb(mode, executor="torch", weights="fp32"):
         def run(input_ids, mask):

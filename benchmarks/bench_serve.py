@@ -71,7 +71,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import (ABBREVIATIONS, LITERATURE, SHARED, _first_tokens,  # noqa: E402
-                            _offset, _source, _until_eos, _uptime, continuation_prompt)
+                            _offset, _source, _uptime, continuation_prompt)
+from peers import until_eos  # noqa: E402
 from common import RESULTS, pin_threads, print_table, write_json  # noqa: E402
 
 import rbcompile  # noqa: E402
@@ -346,7 +347,7 @@ def hf_sequential(eager, tokenizer, prompts: list[str], eos: set[int], pad: int,
                                  eos_token_id=sorted(eos), streamer=clock)
         done = time.perf_counter()
         total += done - sent
-        tokens = _until_eos(out[0, input_ids.shape[1]:].tolist(), eos)
+        tokens = until_eos(out[0, input_ids.shape[1]:].tolist(), eos)
         records.append({"sent": sent, "done": done, "chunk_times": clock.times[:len(tokens)],
                         "text": tokenizer.decode(tokens, skip_special_tokens=True),
                         "finish_reason": "length" if len(tokens) == max_tokens else "stop",

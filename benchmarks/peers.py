@@ -94,13 +94,15 @@ def _genai_run(og, model, pad: int, eos: set[int], new_tokens: int, input_ids, a
     while not generator.is_done():
         generator.generate_next_token()
         steps.append(generator.get_next_tokens().tolist())
-    return [_until(list(row), eos) for row in zip(*steps)], None
+    return [until_eos(list(row), eos) for row in zip(*steps)], None
 
 
-def _until(row: list[int], eos: set[int]) -> list[int]:
+def until_eos(row: list[int], eos: set[int]) -> list[int]:
     """A row up to and including its first EOS (a batch runs on past a row's end)."""
-    ends = [index for index, token in enumerate(row) if token in eos]
-    return row[:ends[0] + 1] if ends else row
+    for index, token in enumerate(row):
+        if token in eos:
+            return row[:index + 1]
+    return row
 
 
 def _llama_source() -> Path:
