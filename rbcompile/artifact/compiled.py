@@ -16,7 +16,14 @@ from rbcompile.artifact.atomic import write_folder
 from rbcompile.artifact.cuda_graphs import GraphCache, plan_key
 from rbcompile.artifact.decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder
 from rbcompile.artifact.executors import use_executor
-from rbcompile.artifact.guard import DECODER, FORWARD, GuardedPlan, QualityGuard, guard_budget
+from rbcompile.artifact.guard import (
+    DECODER,
+    FORWARD,
+    GuardedPlan,
+    QualityGuard,
+    decoder_path,
+    guard_budget,
+)
 from rbcompile.artifact.input_complexity import LengthRarityComplexity
 from rbcompile.artifact.manifest import (
     CONFIG,
@@ -312,12 +319,20 @@ class CompiledModel:
 
     def guarded(self, budget: float | None, path: str = FORWARD) -> GuardedPlan:
         """The plan `budget` runs under `guard` on the whole-sequence graph (FORWARD) or the
-        KV-cached decoder (DECODER); a withheld plan is warned about."""
-        plan = guard_budget(self.plans, budget, self.guard, path)
+        KV-cached decoder (DECODER, at the weight level its steps run); a withheld plan is
+        warned about."""
+        plan = guard_budget(self.plans, budget, self.guard, self.loss_path(path))
         if plan.withheld is not None:
             warnings.warn(f"rbcompile: {plan.describe()} (quality guard: max_quality_loss "
                           f"{self.guard.max_quality_loss:g})", QualityGuardWarning, stacklevel=3)
         return plan
+
+    def loss_path(self, path: str = FORWARD) -> str:
+        """The StoredPlan.loss path that bounds `path` as it runs now: DECODER becomes the
+        decoder's weight level's (guard.decoder_path)."""
+        if path == DECODER and self.decoder is not None:
+            return decoder_path(self.decoder.weights)
+        return path
 
     def guarded_decoder_gates(self, budget: float | None) -> list[bool] | None:
         """`decoder_gates` of the plan `budget` runs under `guard`."""

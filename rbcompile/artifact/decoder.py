@@ -65,6 +65,7 @@ class Decoder:
         self.executor = None  # a StepExecutor: steps run as onnxruntime graphs (use_executor)
         self.step_executor = None  # the one built, kept while steps run in torch
         self.precision: dict[str, str] | None = None  # the executor's weight precision per linear
+        self.weights = "fp32"  # the level `precision` gives the linears (executors.WEIGHT_LEVELS)
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
                         capture=None) -> "Decoder":

@@ -104,6 +104,7 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
                             f"({reason or 'pass --executor onnxruntime'})")
         if compiled.decoder is not None:
             compiled.decoder.executor, compiled.decoder.precision = None, None
+            compiled.decoder.weights = "fp32"
         return executor
     if reason is not None:
         raise UserError(f"the onnxruntime executor cannot run this model: {reason}")
@@ -117,5 +118,6 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
     decoder.executor = decoder.step_executor
     decoder.executor.prepack = weights == "fp32"
     decoder.precision = level_precision(weights, decoder.executor.linear_weights())
+    decoder.weights = weights
     return executor
 

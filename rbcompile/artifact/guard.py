@@ -2,7 +2,8 @@
 
 Calibration stores on every plan its quality loss on held-out text (quality.quality_loss):
 `quality_loss` for the whole-sequence graph, and for decoders `decoder_quality_loss` for what
-the KV-cached decoder runs of it (its MLP skips). A plan never measured (an uncalibrated
+the KV-cached decoder runs of it (its MLP skips), and that again at each lower weight precision
+(`decoder_path`). A plan never measured (an uncalibrated
 artifact's fixed skip order, an artifact from before the loss was stored, the torch.compile
 backend's graphs) has no loss. A `QualityGuard` lets a budget run the plan of the largest budget
 at or under it whose measured loss is within `max_quality_loss`; unmeasured plans only with
@@ -26,6 +27,13 @@ OVER_GUARD, UNMEASURED, OBSERVED = "over_guard", "unmeasured", "observed"
 _WHY = {OVER_GUARD: "its measured quality loss is over the guard",
         UNMEASURED: "its plan was never measured",
         OBSERVED: "its live agreement checks were under the guard"}
+
+
+def decoder_path(level: str) -> str:
+    """The StoredPlan.loss path of the KV-cached decoder with its weights at `level`: a plan's
+    loss at fp32 does not bound what it costs at int4, so each pair is measured on its own
+    (compiler/precision.py) and unmeasured where it was not."""
+    return DECODER if level == "fp32" else f"{DECODER}@{level}"
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,11 @@ def validate(manifest: dict, where) -> None:
     if (manifest.get("schema_version") == PACKED_SCHEMA_VERSION) != ("packed_weights" in manifest):
         _fail(where, f"packed_weights come with schema version {PACKED_SCHEMA_VERSION}, and only")
     _check_packed(where, manifest.get("packed_weights"), manifest["files"].get("sha256", {}))
-    plans = manifest.get("plans")
+    _check_plans(where, manifest.get("plans"), gates)
+
+
+def _check_plans(where, plans, gates: list) -> None:
+    """The calibrated plans (artifact/plans.py StoredPlan), each gate one of `gates`."""
     if plans is None:
         return
     if not isinstance(plans, list) or not plans:
@@ -168,6 +172,12 @@ def validate(manifest: dict, where) -> None:
         for key in ("quality_loss", "decoder_quality_loss"):  # absent or null: unmeasured
             if plan.get(key) is not None and not (_number(plan[key]) and plan[key] >= 0):
                 _fail(where, f"plan {plan['budget']}: {key} must be null or a number >= 0")
+        losses = plan.get("precision_losses", {})
+        if not isinstance(losses, dict) or not all(
+                level in ("int8", "int4") and _number(loss) and loss >= 0
+                for level, loss in losses.items()):
+            _fail(where, f"plan {plan['budget']}: precision_losses must map int8 / int4 to "
+                         "numbers >= 0")
     if not any(plan["budget"] == 0 for plan in plans):
         _fail(where, "plans must include budget 0 (the full path)")
 

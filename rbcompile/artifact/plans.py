@@ -56,7 +56,9 @@ class StoredPlan:
     serves, the gates it skips, the widths it narrows ((gate, ratio) pairs), and what
     calibration measured on held-out text (None: unmeasured): the share of prunable FLOPs it
     skips, its quality loss on the whole-sequence graph (`quality_loss`) and on the KV-cached
-    decoder (`decoder_quality_loss`), and the held-out measures behind them."""
+    decoder (`decoder_quality_loss`), the held-out measures behind them, and the decoder's
+    loss with its weights at each lower precision (`precision_losses`, (level, loss) pairs:
+    skipping and precision together, against the fp32 full path)."""
     budget: float
     skip_gates: tuple[int, ...] = ()
     widths: tuple[tuple[int, float], ...] = ()
@@ -65,6 +67,7 @@ class StoredPlan:
     decoder_quality_loss: float | None = None
     heldout: dict | None = None
     decoder_heldout: dict | None = None
+    precision_losses: tuple[tuple[str, float], ...] = ()
 
     def plan(self, num_gates: int) -> Plan:
         """What a forward under this plan runs (widths None when it narrows nothing)."""
@@ -80,21 +83,30 @@ class StoredPlan:
 
     def loss(self, path: str) -> float | None:
         """The measured quality loss on `path` (guard.FORWARD or guard.DECODER, the names of
-        the two fields); the full path (budget 0) costs 0."""
-        return 0.0 if self.budget == 0 else getattr(self, path)
+        the two fields, or guard.decoder_path(level): the decoder at a lower weight precision);
+        the full path (budget 0) costs 0 (a weight level's own loss is guarded on its own:
+        executors.check_precision)."""
+        if self.budget == 0:
+            return 0.0
+        field, _, level = path.partition("@")
+        return dict(self.precision_losses).get(level) if level else getattr(self, field)
 
     def to_json(self) -> dict:
-        return {"budget": self.budget, "skip_gates": list(self.skip_gates),
-                "widths": {str(gate): ratio for gate, ratio in self.widths},
-                **{name: getattr(self, name) for name in MEASURED
-                   if getattr(self, name) is not None}}
+        stored = {"budget": self.budget, "skip_gates": list(self.skip_gates),
+                  "widths": {str(gate): ratio for gate, ratio in self.widths},
+                  **{name: getattr(self, name) for name in MEASURED
+                     if getattr(self, name) is not None}}
+        if self.precision_losses:
+            stored["precision_losses"] = dict(self.precision_losses)
+        return stored
 
     @classmethod
     def from_json(cls, stored: dict) -> "StoredPlan":
         """From the manifest's dict (checked by manifest.validate)."""
         return cls(stored["budget"], tuple(stored.get("skip_gates", ())),
                    tuple((int(gate), ratio) for gate, ratio in (stored.get("widths") or {}).items()),
-                   **{name: stored.get(name) for name in MEASURED})
+                   **{name: stored.get(name) for name in MEASURED},
+                   precision_losses=tuple(sorted((stored.get("precision_losses") or {}).items())))
 
 
 def stored_plans(manifest: dict) -> list[StoredPlan] | None:

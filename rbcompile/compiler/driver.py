@@ -373,14 +373,18 @@ PRECISION_SAMPLES, PRECISION_SEQ = 16, 256  # windows of the bundled text (a qua
 
 
 def _measure_precisions(compiled, batches, precisions) -> None:
-    """The manifest's `precisions`: each weight level measured on held-out `batches()`;
-    "auto": int8 and int4 where the onnxruntime executor runs the model."""
+    """The manifest's `precisions`: each weight level measured on held-out `batches()`, and
+    each calibrated plan at each level; "auto": int8 and int4 where the onnxruntime executor
+    runs the model."""
     if precisions == "auto":
         precisions = LOW_LEVELS if onnxruntime_reason(compiled) is None else ()
     if precisions:
         with step(f"measuring {', '.join(precisions)} weights on held-out text (onnxruntime)"):
-            stored = measure_precisions(compiled, batches(), precisions)
+            stored, plans = measure_precisions(compiled, batches(), precisions, compiled.plans)
         compiled.manifest["precisions"] = [level.to_json() for level in stored]
+        if plans:
+            compiled.plans = plans
+            compiled.manifest["plans"] = [plan.to_json() for plan in plans]
 
 
 def _heldout_text(tokenizer, dims) -> list:

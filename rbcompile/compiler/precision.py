@@ -5,12 +5,16 @@ A level is measured as the decoder runs it: every linear (block projections and 
 vocabulary head) at that precision, prefilled over each held-out batch; next-token loss,
 perplexity and top-1 agreement with the full path go through quality.quality_loss, the
 guard's unit. The fp32 full path of the same executor is measured too, as a check that the
-executor itself costs nothing.
+executor itself costs nothing. Each calibrated plan that skips work in the decoder is measured
+again at every level (skipping and precision together), so the guard bounds the pair that runs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rbcompile.artifact import quality
 from rbcompile.artifact.executors import WEIGHT_LEVELS, StoredPrecision, onnxruntime_reason
+from rbcompile.artifact.plans import StoredPlan
 from rbcompile.errors import UserError
 from rbcompile.progress import say
 
@@ -20,42 +24,94 @@ from rbcompile.progress import say
 LOW_LEVELS = tuple(level for level in WEIGHT_LEVELS if level != "fp32")
 
 
-def measure_precisions(compiled, batches, levels: tuple[str, ...]) -> list[StoredPrecision]:
-    """Each of `levels` measured on `batches` ([(input_ids, mask)]) against the full path."""
+class _Measure:
+    """Quality of the decoder at a weight level and gates, on `batches`, against the full
+    path (the references are computed once)."""
+
+    def __init__(self, compiled, batches):
+        from rbcompile.artifact.step_executor import sequence_logits
+
+        self.compiled, self.batches, self.sequence_logits = compiled, batches, sequence_logits
+        shape = compiled.decoder.shape
+        self.dims = (shape.kv_heads, shape.head_dim, shape.layers)
+        self.references = [quality.reference("decoder", compiled(ids, mask), mask)
+                           for ids, mask in batches]
+        self.full = self.summary(compiled.decoder)
+
+    def summary(self, step) -> dict:
+        parts = [quality.measure("decoder", {"logits": self.sequence_logits(step, ids, mask,
+                                                                             *self.dims)},
+                                 ids, mask, reference)
+                 for (ids, mask), reference in zip(self.batches, self.references)]
+        return quality.summarise("decoder", parts)
+
+    def at(self, level: str, gates=None) -> dict:
+        """The held-out measures with every linear at `level` and the decoder's `gates`."""
+        decoder = self.compiled.decoder
+        self.compiled.use_executor("onnxruntime", level)
+        decoder.executor.full_precision_from = None   # every position at `level`
+        return self.summary(lambda *step: decoder(*step, gates=gates))
+
+
+def measure_precisions(compiled, batches, levels: tuple[str, ...],
+                       plans: list[StoredPlan] | None = None
+                       ) -> tuple[list[StoredPrecision], list[StoredPlan] | None]:
+    """Each of `levels` measured on `batches` ([(input_ids, mask)]) against the full path, and
+    `plans` with their `precision_losses` at those levels (a plan whose decoder skips nothing
+    costs what its level costs)."""
     if not levels:
-        return []
+        return [], plans
     reason = onnxruntime_reason(compiled)
     if reason is not None:
         raise UserError(f"cannot measure weight precisions: {reason} (compile with "
                         "--precisions none)")
-    from rbcompile.artifact.step_executor import FULL_PRECISION_FROM, sequence_logits
+    from rbcompile.artifact.step_executor import FULL_PRECISION_FROM
 
-    shape = compiled.decoder.shape
-    dims = (shape.kv_heads, shape.head_dim, shape.layers)
-    references = [quality.reference("decoder", compiled(ids, mask), mask) for ids, mask in batches]
-
-    def summary(step) -> dict:
-        parts = [quality.measure("decoder", {"logits": sequence_logits(step, ids, mask, *dims)},
-                                 ids, mask, reference)
-                 for (ids, mask), reference in zip(batches, references)]
-        return quality.summarise("decoder", parts)
-
-    full = summary(compiled.decoder)
-    previous = compiled.decoder.executor, compiled.decoder.precision
-    stored = []
+    measure = _Measure(compiled, batches)
+    decoder = compiled.decoder
+    previous = decoder.executor, decoder.precision, decoder.weights
     try:
-        for level in ("fp32", *levels):
-            compiled.use_executor("onnxruntime", level)
-            compiled.decoder.executor.full_precision_from = None  # every position at `level`
-            measured = summary(compiled.decoder)
-            loss = quality.quality_loss(measured, full)
-            say(f"  {level} weights: perplexity {measured['perplexity']:.2f} (full path "
-                f"{full['perplexity']:.2f}), top-1 agreement {measured['top1_agreement']:.3f}, "
-                f"quality loss {loss:.3f}")
-            if level != "fp32":
-                stored.append(StoredPrecision(level, loss, measured))
+        stored = _levels(measure, levels)
+        plans = plans and _plans_at_levels(measure, plans, stored)
     finally:
-        if compiled.decoder.step_executor is not None:
-            compiled.decoder.step_executor.full_precision_from = FULL_PRECISION_FROM
-        compiled.decoder.executor, compiled.decoder.precision = previous
+        if decoder.step_executor is not None:
+            decoder.step_executor.full_precision_from = FULL_PRECISION_FROM
+        decoder.executor, decoder.precision, decoder.weights = previous
+    return stored, plans
+
+
+def _levels(measure: _Measure, levels: tuple[str, ...]) -> list[StoredPrecision]:
+    full, stored = measure.full, []
+    for level in ("fp32", *levels):
+        measured = measure.at(level)
+        loss = quality.quality_loss(measured, full)
+        say(f"  {level} weights: perplexity {measured['perplexity']:.2f} (full path "
+            f"{full['perplexity']:.2f}), top-1 agreement {measured['top1_agreement']:.3f}, "
+            f"quality loss {loss:.3f}")
+        if level != "fp32":
+            stored.append(StoredPrecision(level, loss, measured))
     return stored
+
+
+def _plans_at_levels(measure: _Measure, plans: list[StoredPlan],
+                     levels: list[StoredPrecision]) -> list[StoredPlan]:
+    compiled, measured = measure.compiled, {}
+    out = []
+    for plan in plans:
+        gates = compiled.decoder_gates(plan.budget) if plan.budget > 0 else None
+        key = None if gates is None or all(gates) else tuple(gates)
+        losses = []
+        for level in levels:
+            if key is None:
+                losses.append((level.level, level.decoder_quality_loss))
+                continue
+            if (key, level.level) not in measured:
+                at = measure.at(level.level, list(key))
+                measured[key, level.level] = quality.quality_loss(at, measure.full)
+                say(f"  budget {plan.budget:g} with {level.level} weights: perplexity "
+                    f"{at['perplexity']:.2f}, top-1 agreement {at['top1_agreement']:.3f}, "
+                    f"quality loss {measured[key, level.level]:.3f}")
+            losses.append((level.level, measured[key, level.level]))
+        out.append(replace(plan, precision_losses=tuple(sorted(losses))) if plan.budget > 0
+                   else plan)
+    return out

@@ -17,6 +17,7 @@ from rbcompile.artifact.guard import (
     UNGUARDED,
     UNMEASURED,
     QualityGuard,
+    decoder_path,
     guard_budget,
     lossy_budgets,
 )
@@ -153,6 +154,52 @@ def test_generate_never_runs_a_plan_over_the_guard(calibrated):
         assert plan.withheld is None and plan.budget == 0.5 and plan.quality_loss == losses[-1]
     finally:
         calibrated.guard = QualityGuard()
+
+
+def test_a_plan_at_a_lower_weight_precision_is_guarded_by_that_pairs_own_loss():
+    """A plan's loss at fp32 does not bound it at int4: the pair's measured loss does, and a
+    pair never measured is unmeasured."""
+    stored = [StoredPlan(0.0), StoredPlan(0.1, (0,), decoder_quality_loss=0.01,
+                                          precision_losses=(("int4", 0.08),)),
+              StoredPlan(0.2, (0, 1), decoder_quality_loss=0.02)]
+    guard = QualityGuard(0.05)
+    assert guard_budget(stored, 0.1, guard, DECODER).budget == 0.1
+    at_int4 = guard_budget(stored, 0.1, guard, decoder_path("int4"))
+    assert at_int4.budget == 0.0 and at_int4.withheld == OVER_GUARD
+    assert guard_budget(stored, 0.2, QualityGuard(0.1), decoder_path("int4")).as_json() == {
+        "requested_budget": 0.2, "budget": 0.1, "quality_loss": 0.08, "withheld": UNMEASURED}
+    assert decoder_path("fp32") == DECODER
+    assert StoredPlan.from_json(stored[1].to_json()) == stored[1]
+
+
+def test_calibration_measures_each_plan_at_each_weight_level(calibrated, tmp_path):
+    """Compile measures every lossy plan with its weights at int8 and int4 (a plan whose decoder
+    skips nothing costs its level's loss); the losses survive save / load, and generate at int4
+    weights runs a budget only where the int4 pair is within the guard."""
+    levels = {p["level"]: p["decoder_quality_loss"] for p in calibrated.manifest["precisions"]}
+    lossy = [plan for plan in calibrated.plans if plan.budget > 0]
+    for plan in lossy:
+        assert set(dict(plan.precision_losses)) == {"int8", "int4"}
+        if all(calibrated.decoder_gates(plan.budget)):
+            assert dict(plan.precision_losses) == levels
+    loaded = rbcompile.load(calibrated.save(tmp_path / "artifact"))
+    assert [p.precision_losses for p in loaded.plans] == [p.precision_losses for p in calibrated.plans]
+    top = max(lossy, key=lambda plan: abs(dict(plan.precision_losses)["int4"]
+                                          - plan.decoder_quality_loss))
+    losses = {"fp32": top.decoder_quality_loss, "int4": dict(top.precision_losses)["int4"]}
+    assert losses["fp32"] != losses["int4"]
+    previous = calibrated.decoder.executor
+    calibrated.guard = QualityGuard(min(losses.values()))
+    try:
+        for level, loss in losses.items():
+            calibrated.use_executor("onnxruntime", level)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", QualityGuardWarning)
+                plan = calibrated.guarded(top.budget, DECODER)
+            assert (plan.budget == top.budget) == (loss == min(losses.values())), level
+    finally:
+        calibrated.guard = QualityGuard()
+        calibrated.use_executor("torch" if previous is None else "onnxruntime")
 
 
 async def _post_all(app, bodies, path="/v1/completions"):

@@ -128,6 +128,8 @@ def _print_plans(manifest: dict) -> None:
         return "unmeasured" if value is None else f"{value:.3f}"
     for plan in stored_plans(manifest) or []:
         decoder = f", decoder {loss(plan, DECODER)}" if "decoder" in manifest else ""
+        decoder += "".join(f", {level} weights {value:.3f}"
+                           for level, value in plan.precision_losses)
         print(f"  plan {plan.budget:g}: skips {plan.skipped_share or 0:.1%} of prunable "
               f"FLOPs, quality loss {loss(plan, FORWARD)}{decoder}")
     for level in manifest.get("precisions", []):   # measured weight precisions (--weights)

@@ -32,7 +32,7 @@ def _unmeasured_plans(model) -> int:
     """How many of the stored lossy plans have no measured loss where the model serves."""
     from rbcompile.artifact.guard import DECODER, FORWARD
 
-    path = DECODER if model.decoder is not None else FORWARD
+    path = model.loss_path(DECODER if model.decoder is not None else FORWARD)
     return sum(plan.loss(path) is None for plan in _lossy_plans(model))
 
 
@@ -85,7 +85,7 @@ def _serving_budgets(model) -> list[float]:
 
     if model.decoder is None:
         return lossy_budgets(model.plans, model.guard, FORWARD)
-    return [budget for budget in lossy_budgets(model.plans, model.guard, DECODER)
+    return [budget for budget in lossy_budgets(model.plans, model.guard, model.loss_path(DECODER))
             if not all(model.decoder_gates(min(budget, 1.0)) or [True])]
 
 

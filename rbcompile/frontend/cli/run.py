@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from rbcompile.errors import check_unicode
-from rbcompile.frontend.cli.guard import _plan_line, _quality_guard, _use_executor
+from rbcompile.frontend.cli.guard import _guard_from, _plan_line, _quality_guard, _use_executor
 
 # Deferred on purpose: the commands import the rest of rbcompile (and torch) when they run,
 # so the CLI starts, and handles Ctrl-C, before torch loads (see __init__._import_heavy).
@@ -26,8 +26,8 @@ def _cmd_run(args) -> None:
     for text in args.text:
         check_unicode(text, "--text")
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
-    _quality_guard(args, model)
-    _use_executor(model, args.executor, args.weights, model.guard)
+    _use_executor(model, args.executor, args.weights, _guard_from(args))
+    _quality_guard(args, model)   # after: which plans are measured depends on the weights
     model.complexity_threshold = args.complexity_threshold
     baked = None if args.budget is None else model.guarded(args.budget).budget  # what runs
     with (nullcontext(model) if args.engine == "torch"

@@ -8,6 +8,7 @@ import threading
 from functools import partial
 
 from rbcompile.frontend.cli.guard import (
+    _guard_from,
     _guard_leaves,
     _quality_guard,
     _serving_budgets,
@@ -49,9 +50,9 @@ def _cmd_serve(args) -> None:
     config, connection_limits = serve_config(args, api_key), limits_from(args)[1]
     sock = connections.bind(args.host, args.port)   # a port in use: refused before loading
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
-    _quality_guard(args, model)
     executor = _use_executor(model, _executor(args, config.executor), config.weights,
-                             model.guard)
+                             _guard_from(args))
+    _quality_guard(args, model)   # after: which plans are measured depends on the weights
     if args.compile_plans:
         model.compile_plans()
     if args.cuda_graphs:
