@@ -24,7 +24,7 @@ from rbcompile.progress import say
 LOW_LEVELS = tuple(level for level in WEIGHT_LEVELS if level != "fp32")
 
 
-class _Measure:
+class DecoderQuality:
     """Quality of the decoder at a weight level and gates, on `batches`, against the full
     path (the references are computed once)."""
 
@@ -67,7 +67,7 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...],
                         "--precisions none)")
     from rbcompile.artifact.step_executor import FULL_PRECISION_FROM
 
-    measure = _Measure(compiled, batches)
+    measure = DecoderQuality(compiled, batches)
     decoder = compiled.decoder
     previous = decoder.executor, decoder.precision, decoder.weights
     try:
@@ -80,7 +80,7 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...],
     return stored, plans
 
 
-def _levels(measure: _Measure, levels: tuple[str, ...]) -> list[StoredPrecision]:
+def _levels(measure: DecoderQuality, levels: tuple[str, ...]) -> list[StoredPrecision]:
     full, stored = measure.full, []
     for level in ("fp32", *levels):
         measured = measure.at(level)
@@ -93,7 +93,7 @@ def _levels(measure: _Measure, levels: tuple[str, ...]) -> list[StoredPrecision]
     return stored
 
 
-def _plans_at_levels(measure: _Measure, plans: list[StoredPlan],
+def _plans_at_levels(measure: DecoderQuality, plans: list[StoredPlan],
                      levels: list[StoredPrecision]) -> list[StoredPlan]:
     compiled, measured = measure.compiled, {}
     out = []

@@ -135,6 +135,38 @@ def test_curve_writes_json_png_and_table(calibrated_llama, tmp_path, capsys, cal
     assert (tmp_path / "curve" / "curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_decode_curve_puts_weight_levels_and_skip_plans_on_one_frontier(
+        calibrated_llama, compiled_tiny, tmp_path, capsys):
+    """`curve --decode`: each weight level with each calibrated plan that skips decoder MLPs,
+    quality against the fp32 full path (which the executor's fp32 row equals) and decode-step
+    time; each skip-only plan is compared with the lower-precision settings as fast. An
+    uncalibrated artifact gets the fixed skip order; an encoder is refused."""
+    data = tmp_path / "eval.txt"
+    data.write_text(word_text(600, seed=1))
+    art = calibrated_llama.save(tmp_path / "art")
+    argv = ["curve", str(art), "--decode", "--data", str(data), "--samples", "2", "--seq", "80",
+            "--rounds", "1", "-o", str(tmp_path / "curve")]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads((tmp_path / "curve" / "decode-curve.json").read_text())
+    points = result["points"]
+    assert [p["level"] for p in points if p["budget"] == 0] == ["fp32", "int8", "int4"]
+    skips = [p for p in points if p["level"] == "fp32" and p["budget"] > 0]
+    assert skips and all(p["skipped_mlps"] > 0 for p in skips)
+    assert {p["budget"] for p in points if p["level"] == "int4"} == {0.0} | {p["budget"] for p in skips}
+    full = points[0]
+    assert full["label"] == "fp32" and full["speedup"] == 1.0
+    assert full["quality_loss"] == 0.0 and full["top1_agreement"] == 1.0
+    assert [d["skip_only"] for d in result["dominance"]] == [p["label"] for p in skips]
+    assert "fp32 + budget" in table and (tmp_path / "curve" / "decode-curve.png").exists()
+    plain = compiled_tiny["llama"][0].save(tmp_path / "plain")
+    assert main(argv[:1] + [str(plain)] + argv[2:]) == 0
+    capsys.readouterr()
+    budgets = {p["budget"] for p in json.loads(
+        (tmp_path / "curve" / "decode-curve.json").read_text())["points"]}
+    assert budgets <= {0.0, 0.05, 0.1, 0.25, 0.5} and len(budgets) > 1
+
+
 def test_cli_bad_calibration_input(tiny_checkpoints, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

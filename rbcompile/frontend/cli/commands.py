@@ -180,6 +180,8 @@ def _cmd_curve(args) -> None:
         raise UserError(f"this artifact has its own {model.task_head} head: --classifier is for "
                         "headless encoders")
     data = load_eval_data(model, args.data, **settings)
+    if args.decode:
+        return _decode_curve(args, model, data.batches)
     classifier = load_head(args.classifier) if args.classifier else None
     with step(f"measuring {len(model.plans or [])} plans and the static baseline on "
               f"{args.data or 'the bundled Tempest excerpt'}"):
@@ -194,6 +196,29 @@ def _cmd_curve(args) -> None:
          out / "curve.png")
     print(format_table(result))
     print(f"wrote {out / 'curve.json'} and {out / 'curve.png'}")
+
+
+def _decode_curve(args, model, batches) -> None:
+    """`curve --decode`: weight levels x skip plans, decode-step time and quality."""
+    from pathlib import Path
+
+    from rbcompile.errors import UserError
+    from rbcompile.frontend import decode_curve
+    from rbcompile.progress import step
+
+    if model.family != "decoder":
+        raise UserError("--decode is for decoders (the KV-cached decode step)")
+    data = args.data or "the bundled Tempest excerpt"
+    with step(f"measuring weight levels x skip plans on {data}, decode steps at batch 1"):
+        points = decode_curve.frontier(model, batches, rounds=args.rounds)
+    out = Path(args.output or f"{str(args.artifact).rstrip('/')}-curve")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode-curve.json").write_text(json.dumps(decode_curve.as_json(points), indent=1))
+    name = Path(model.manifest["source"]["name"]).name
+    decode_curve.plot(points, f"{name}: precision and skipping, decode steps",
+                      out / "decode-curve.png")
+    print(decode_curve.format_table(points))
+    print(f"wrote {out / 'decode-curve.json'} and {out / 'decode-curve.png'}")
 
 
 def _cmd_train_policy(args) -> None:

@@ -209,6 +209,9 @@ def _add_curve(sub) -> None:
     p.add_argument("--seq", type=int, help="tokens per sample (default 512 / 128)")
     p.add_argument("--batch", type=int, help="batch size (default 1 / 16)")
     p.add_argument("--rounds", type=int, default=3, help="latency rounds (median)")
+    p.add_argument("--decode", action="store_true", help="decoders: the decode step's frontier "
+                   "instead, weight precisions (fp32, int8, int4) x skip plans, timed per step "
+                   "(decode-curve.json, decode-curve.png)")
     p.add_argument("-o", "--output", help="folder for curve.json and curve.png "
                    "(default: ARTIFACT-curve)")
 
