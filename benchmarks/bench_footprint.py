@@ -137,7 +137,7 @@ def child(args) -> None:
 def _prompt(args) -> list[int]:
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.hf_folder)
-    text_file = Path("/work/shared/data/austen-emma.txt")
+    text_file = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen-emma.txt"
     if not text_file.exists():
         text_file = Path(__file__).parent.parent / "rbcompile" / "data" / "eval-tempest.txt"
     ids = tokenizer(text_file.read_text()[5000:])["input_ids"][:args.prompt_tokens]

@@ -55,7 +55,7 @@ from rbcompile.artifact.models import load_hf_model, resolve_checkpoint  # noqa:
 from rbcompile.artifact.placement import parse_dtype  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
-SHARED = Path("/work/shared/data")
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"   # ../shared next to the repo
 LITERATURE = ["austen-emma.txt", "shakespeare-macbeth.txt", "shakespeare-tempest.txt"]
 VIM_DOC = Path("/usr/share/vim/vim90/doc")
 MANUAL = ["usr_02.txt", "motion.txt", "usr_03.txt", "change.txt", "usr_04.txt", "pattern.txt"]
