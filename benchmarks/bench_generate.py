@@ -1,8 +1,8 @@
 """Generation speed: rbcompile's KV-cached `generate` (speculate off / ngram / self / auto)
 against transformers' `generate` on the same weights, greedy, on real text (issue 15); the
 decode steps run op by op in torch ("rbcompile", "engine") or as onnxruntime graphs
-("onnxruntime", issue 45) at fp32, int8 or int4 weights (low precisions change tokens: their
-"identical" column is their quality, and they are left out of the identity target).
+("onnxruntime", issue 45) at fp32, int8, int4 or int4-fp32 weights (low precisions change
+tokens: their "identical" column is their quality, and they are left out of the identity target).
 
 Three workloads, prompts cut at deterministic offsets:
   continuation  open continuation of literature (Emma, Macbeth, The Tempest), 64-128 tokens;
@@ -64,7 +64,7 @@ MODES = ("off", "ngram", "self", "auto")
 ENGINE_MODES = ("off", "ngram")
 # the onnxruntime step executor (rbcompile/artifact/executors.py): (weights, speculate) each
 EXECUTED = (("fp32", "off"), ("fp32", "ngram"), ("fp32", "auto"), ("int8", "off"),
-            ("int4", "off"), ("int4", "ngram"))
+            ("int4", "off"), ("int4", "ngram"), ("int4-fp32", "off"), ("int4-fp32", "ngram"))
 ORT = {f"onnxruntime{'' if w == 'fp32' else ' ' + w} {m}": (w, m) for w, m in EXECUTED}
 CONTENDERS = ("HF generate", *(f"rbcompile {m}" for m in MODES), *ORT,
               *(f"engine {m}" for m in ENGINE_MODES), *PEERS)
@@ -451,7 +451,8 @@ def main() -> None:
             say(f"  batch {batch} {workload}: {len(items)} call(s), prompt tokens "
                 f"{min(lengths)}-{max(lengths)}")
 
-    chosen = {"HF generate", *(c.replace("-", " ") for c in args.contenders)}
+    typed = {c.replace(" ", "-"): c for c in CONTENDERS}
+    chosen = {"HF generate", *(typed[c] for c in args.contenders)}
     contenders = {name: fn for name, fn in make_contenders(compiled, eager, eos, pad, args.new_tokens, args.threads).items()
                   if name in chosen}
     peers = peer_contenders([p for p in PEERS if p in chosen], resolve_checkpoint(source), args.threads)

@@ -167,7 +167,7 @@ class CompiledModel:
     def use_executor(self, executor: str = "auto", weights: str = "fp32",
                      threads: int | None = None) -> str:
         """Run the decoder's steps with `executor` ("auto", "torch", "onnxruntime") at
-        `weights` ("fp32", "int8", "int4"; see rbcompile/artifact/executors.py); returns
+        `weights` (executors.WEIGHT_LEVELS: "fp32", "int8", "int4", "int4-fp32"); returns
         the executor chosen."""
         return use_executor(self, executor, weights, threads)
 

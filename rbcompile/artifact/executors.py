@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from rbcompile.artifact.guard import QualityGuard
+from rbcompile.artifact.manifest import PRECISION_LEVELS
 from rbcompile.artifact.packed_weights import level_precision
 from rbcompile.errors import UserError
 
 EXECUTORS = ("auto", "torch", "onnxruntime")
-WEIGHT_LEVELS = ("fp32", "int8", "int4")
+WEIGHT_LEVELS = ("fp32", *PRECISION_LEVELS)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ from pathlib import Path
 
 from rbcompile.errors import UserError
 
+# The lower weight precisions a decoder's steps run at (artifact/executors.py): int8 / int4
+# blocks with int8 activations, and int4 blocks with fp32 activations.
+PRECISION_LEVELS = ("int8", "int4", "int4-fp32")
+
 SCHEMA_VERSION = 2
 PACKED_SCHEMA_VERSION = 3   # with packed_weights: a reader that cannot unpack refuses it by version
 READABLE = (SCHEMA_VERSION, PACKED_SCHEMA_VERSION)
@@ -174,10 +178,10 @@ def _check_plans(where, plans, gates: list) -> None:
                 _fail(where, f"plan {plan['budget']}: {key} must be null or a number >= 0")
         losses = plan.get("precision_losses", {})
         if not isinstance(losses, dict) or not all(
-                level in ("int8", "int4") and _number(loss) and loss >= 0
+                level in PRECISION_LEVELS and _number(loss) and loss >= 0
                 for level, loss in losses.items()):
-            _fail(where, f"plan {plan['budget']}: precision_losses must map int8 / int4 to "
-                         "numbers >= 0")
+            _fail(where, f"plan {plan['budget']}: precision_losses must map "
+                         f"{' / '.join(PRECISION_LEVELS)} to numbers >= 0")
     if not any(plan["budget"] == 0 for plan in plans):
         _fail(where, "plans must include budget 0 (the full path)")
 
@@ -187,11 +191,11 @@ def _check_precisions(where, precisions) -> None:
     if precisions is None:
         return
     if not isinstance(precisions, list) or not all(
-            isinstance(entry, dict) and entry.get("level") in ("int8", "int4")
+            isinstance(entry, dict) and entry.get("level") in PRECISION_LEVELS
             and _number(entry.get("decoder_quality_loss")) and entry["decoder_quality_loss"] >= 0
             and isinstance(entry.get("heldout"), dict) for entry in precisions):
-        _fail(where, "precisions must be a list of {level: int8 | int4, decoder_quality_loss "
-                     ">= 0, heldout}")
+        _fail(where, f"precisions must be a list of {{level: {' | '.join(PRECISION_LEVELS)}, "
+                     "decoder_quality_loss >= 0, heldout}")
 
 
 def _check_packed(where, packed, digests: dict) -> None:

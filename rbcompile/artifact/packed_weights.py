@@ -29,9 +29,12 @@ HEAD = "lm_head.weight"
 def level_precision(level: str, linears: list[str]) -> dict[str, str] | None:
     """The precision per linear weight of a level (None: fp32). int4 keeps the vocabulary head
     at int8, as llama.cpp's 4-bit files keep their output tensor at 6-8 bits: the head is
-    21% of SmolLM2's weights and the one most sensitive (a GGUF Q4_1 SmolLM2 ships it Q8_0)."""
+    21% of SmolLM2's weights and the one most sensitive (a GGUF Q4_1 SmolLM2 ships it Q8_0).
+    int4-fp32 keeps it fp32: MatMulNBits with fp32 activations has no fast int8 kernel here."""
     if level == "fp32":
         return None
+    if level == "int4-fp32":
+        return {key: level for key in linears if key != HEAD}
     return {key: "int8" if level == "int4" and key == HEAD else level for key in linears}
 
 

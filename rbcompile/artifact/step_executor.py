@@ -21,6 +21,7 @@ import torch
 from rbcompile.artifact.packed_weights import linear_keys
 from rbcompile.artifact.page_release import release_file_pages
 from rbcompile.artifact.step_graph import (
+    PACKED_AS,
     StepShape,
     StepVariant,
     build_step_graph,
@@ -66,11 +67,13 @@ class StepExecutor:
         self.tensors.setdefault("lm_head.weight", self.tensors[embedding])
         self.arrays: dict[str, np.ndarray | PackedWeight] = {
             key: tensor.numpy() for key, tensor in self.tensors.items()}
-        self.sessions: OrderedDict[StepVariant, object] = OrderedDict()
+        # (variant, prepacked) -> (session, binding): the full path's graph is kept apart
+        # with and without its prepacked weights, so switching levels rebuilds neither
+        self.sessions: OrderedDict[tuple[StepVariant, bool], tuple] = OrderedDict()
         # initializer -> OrtValue, made once (each session copies it into its own layout)
         self._values: dict[str, object] = {}
-        # variant -> where its binding's cache inputs / outputs point (rebound when they move)
-        self._cache_bound: dict[StepVariant, tuple] = {}
+        # binding -> where its cache inputs / outputs point (rebound when they move)
+        self._cache_bound: dict[object, tuple] = {}
         self._pages_released = False   # the mapped fp32 weights, once prepacked
 
     @property
@@ -78,14 +81,13 @@ class StepExecutor:
         """Whether the full path's graph (every step of lossless decoding) holds its own
         prepacked copy of the fp32 weights: its GEMVs are faster than on the weights bound by
         pointer (docs/executor.md), for one more copy of them in memory. Off while decoding at
-        a lower precision, whose prefills are the full path's only use."""
+        a lower precision, whose prefills are the full path's only use; a graph built either
+        way is kept, so switching levels back and forth builds nothing again."""
         return self._prepack
 
     @prepack.setter
     def prepack(self, value: bool) -> None:
-        if value != self._prepack:
-            self.sessions.pop(StepVariant(), None)
-            self._prepack = value
+        self._prepack = value
 
     # ---- variants -----------------------------------------------------------------------
 
@@ -105,6 +107,9 @@ class StepExecutor:
         use: stacked rows of "+"-joined keys, packed for an "@int8" / "@int4" suffix."""
         if name not in self.arrays:
             stem, _, level = name.partition("@")
+            if level in PACKED_AS:   # the same blocks, computed another way: one copy
+                self.arrays[name] = self.array(f"{stem}@{PACKED_AS[level]}")
+                return self.arrays[name]
             keys = stem.split("+")
             rows = (self.tensors[keys[0]] if len(keys) == 1 else
                     torch.cat([self.tensors[key] for key in keys]))
@@ -116,10 +121,11 @@ class StepExecutor:
         first use."""
         import onnxruntime
 
-        if variant in self.sessions:
-            self.sessions.move_to_end(variant)
-            return self.sessions[variant]
         prepack = self.prepack and variant == StepVariant()
+        key = (variant, prepack)
+        if key in self.sessions:
+            self.sessions.move_to_end(key)
+            return self.sessions[key]
         model, initializers, weights = build_step_graph(self.shape, variant, self.array,
                                                         self.qkv_bias, prepack=prepack)
         options = _session_options(self.threads)
@@ -138,11 +144,10 @@ class StepExecutor:
         binding = session.io_binding()   # the weights bound once; each step binds the rest
         for name in weights:
             _bind(binding.bind_input, name, self.tensors[name])
-        self.sessions[variant] = session, binding
-        self._cache_bound.pop(variant, None)
+        self.sessions[key] = session, binding
         while len(self.sessions) > self.max_sessions:
-            self._cache_bound.pop(self.sessions.popitem(last=False)[0], None)
-        return self.sessions[variant]
+            self._cache_bound.pop(self.sessions.popitem(last=False)[1][1], None)
+        return self.sessions[key]
 
     # ---- a step ---------------------------------------------------------------------------
 
@@ -186,14 +191,14 @@ class StepExecutor:
         of this variant had them (a decode loop's cache stays put: four binds a layer spared
         per step)."""
         where = tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (*cache, *written))
-        if self._cache_bound.get(variant) == where:
+        if self._cache_bound.get(binding) == where:
             return
         stem = "present" if variant.fused_attention else "new"
         for layer in range(self.shape.layers):
             for index, kind in ((2 * layer, "key"), (2 * layer + 1, "value")):
                 _bind(binding.bind_input, f"past_{kind}_{layer}", cache[index])
                 _bind(binding.bind_output, f"{stem}_{kind}_{layer}", written[index])
-        self._cache_bound[variant] = where
+        self._cache_bound[binding] = where
 
 
 def sequence_logits(step, input_ids: torch.Tensor, attention_mask: torch.Tensor, kv_heads: int,

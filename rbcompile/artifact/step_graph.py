@@ -28,9 +28,11 @@ from rbcompile.kernels.int_weights import PackedWeight
 
 OPSET = 23
 MS_DOMAIN = "com.microsoft"
-# MatMulNBits computes with int8 activations (its fast AVX2 kernels): level 0 (fp32
-# activations) has no fast int8 kernel on this CPU (3.7 tok/s against 41 on SmolLM2)
-ACCURACY_LEVEL = 4
+# MatMulNBits' accuracy_level per weight level: int8 activations (4) are its fast AVX2 kernels;
+# fp32 activations (0) have no fast int8 kernel on this CPU (3.7 tok/s against 41 on SmolLM2),
+# but a fast int4 one, exact where the blocks are the source's own (docs/executor.md)
+ACCURACY_LEVELS = {"int8": 4, "int4": 4, "int4-fp32": 0}
+PACKED_AS = {"int4-fp32": "int4"}   # a level stored as another's blocks
 ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED = ("llama", "qwen2", "mistral")   # transformers model types
 
@@ -153,7 +155,8 @@ class _Builder:
                             out=out if len(keys) == 1 and not biases else None)
             else:
                 packed: PackedWeight = self.source(f"{fused}@{level}")
-                y = self._int_linear(x, f"{fused}@{level}", packed, out=out if len(keys) == 1
+                y = self._int_linear(x, f"{fused}@{level}", packed, ACCURACY_LEVELS[level],
+                                     out=out if len(keys) == 1
                                      and not biases else None)
             widths = [self.source(key).shape[0] for key in group]
             if biases:
@@ -164,13 +167,15 @@ class _Builder:
             outputs.update(zip(group, parts))
         return [outputs[key] for key in keys]
 
-    def _int_linear(self, x: str, name: str, packed: PackedWeight, out: str | None) -> str:
+    def _int_linear(self, x: str, name: str, packed: PackedWeight, accuracy_level: int,
+                    out: str | None) -> str:
         """MatMulNBits, plus for asymmetric blocks their offsets times the input's block sums."""
         names = [self._packed(name, part, value) for part, value in
                  (("q", packed.data), ("scales", packed.scales))]
         y = self.op("MatMulNBits", [x, *names], domain=MS_DOMAIN, K=packed.in_features,
                     N=packed.out_features, bits=packed.bits, block_size=packed.block_size,
-                    accuracy_level=ACCURACY_LEVEL, out=None if packed.offsets is not None else out)
+                    accuracy_level=accuracy_level,
+                    out=None if packed.offsets is not None else out)
         if packed.offsets is None:
             return y
         padding = packed.blocks * packed.block_size - packed.in_features

@@ -76,6 +76,7 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...],
     finally:
         if decoder.step_executor is not None:
             decoder.step_executor.full_precision_from = FULL_PRECISION_FROM
+            decoder.step_executor.prepack = previous[2] == "fp32"
         decoder.executor, decoder.precision, decoder.weights = previous
     return stored, plans
 

@@ -2,7 +2,8 @@
 lighter costs in quality and saves in time, measured side by side on held-out text.
 
 Every setting pairs a weight level (fp32, int8, int4: the onnxruntime step executor's) with a
-skip plan (the calibrated plans, or the fixed skip order at DEFAULT_BUDGETS): quality is the
+skip plan (the calibrated plans that skip decoder MLPs, else the fixed skip order at
+DEFAULT_BUDGETS: plans that only narrow widths run the whole decoder): quality is the
 KV-cached decoder's on the eval windows against the fp32 full path (perplexity, top-1
 agreement, quality.quality_loss); time is the median batch-1 decode step after a prompt, the
 settings interleaved round by round. `dominance` answers the frontier's question: for each
@@ -19,6 +20,7 @@ import torch
 
 from rbcompile.artifact import quality
 from rbcompile.artifact.executors import WEIGHT_LEVELS, onnxruntime_reason, stored_precisions
+from rbcompile.artifact.plans import plan_for_budget
 from rbcompile.errors import UserError
 from rbcompile.progress import say
 
@@ -62,14 +64,28 @@ def settings(compiled, levels: tuple[str, ...] | None = None) -> list[DecodeSett
     if reason is not None:
         raise UserError(f"--decode needs the onnxruntime step executor: {reason}")
     levels = levels or ("fp32", *(stored_precisions(compiled.manifest) or WEIGHT_LEVELS[1:]))
-    budgets = [plan.budget for plan in compiled.plans or [] if plan.budget > 0] or DEFAULT_BUDGETS
-    plans, seen = [(0.0, None)], set()
-    for budget in budgets:
-        gates = compiled.decoder_gates(budget)
+    plans = [(0.0, None)] + (_skipping(compiled, [(plan.budget, compiled.decoder_gates(plan.budget))
+                                                  for plan in compiled.plans or []])
+                             or _skipping(compiled, [(budget, _fixed_order(compiled, budget))
+                                                     for budget in DEFAULT_BUDGETS]))
+    return [DecodeSetting(level, budget, gates) for level in levels for budget, gates in plans]
+
+
+def _fixed_order(compiled, budget: float) -> list[bool]:
+    """The decoder gates of the fixed skip order (plans.skip_order) at `budget`."""
+    gates = plan_for_budget(compiled.regions, budget).gates
+    return compiled.decoder.gates_from(compiled.regions, gates)
+
+
+def _skipping(compiled, candidates) -> list[tuple[float, tuple[bool, ...]]]:
+    """The (budget, decoder gates) of `candidates` that skip something, each setting once (a
+    calibrated plan that only narrows widths runs the whole decoder)."""
+    out, seen = [], set()
+    for budget, gates in candidates:
         if gates is not None and not all(gates) and tuple(gates) not in seen:
             seen.add(tuple(gates))
-            plans.append((budget, tuple(gates)))
-    return [DecodeSetting(level, budget, gates) for level in levels for budget, gates in plans]
+            out.append((budget, tuple(gates)))
+    return out
 
 
 def step_seconds(compiled, setting: DecodeSetting, prompt: torch.Tensor,
@@ -173,10 +189,10 @@ def format_table(points: list[DecodePoint]) -> str:
         if d.rival is None:
             lines.append(f"{d.skip_only}: no lower-precision setting is as fast")
         else:
-            verdict = "at most" if d.holds else "MORE than"
+            verdict = "no more" if d.holds else "MORE"
             lines.append(f"{d.skip_only} ({d.skip_speedup:.2f}x, loss {d.skip_loss:.3f}): "
-                         f"{d.rival} is as fast ({d.rival_speedup:.2f}x) at {verdict} its "
-                         f"loss ({d.rival_loss:.3f})")
+                         f"{d.rival} is as fast ({d.rival_speedup:.2f}x) with {verdict} loss "
+                         f"({d.rival_loss:.3f})")
     return "\n".join(lines)
 
 

@@ -187,11 +187,13 @@ def test_precision_runs_only_within_the_guard(llama):
 def test_smollm2_executor_reproduces_the_shipped_weights_and_hf_tokens():
     """Real weights: SmolLM2-135M (a GGUF of Q4_1 blocks and a Q8_0 head) cut to 4 layers:
     the int4 level's weights are the shipped values exactly, and greedy decoding through the
-    executor at fp32 gives HF's tokens."""
+    executor at fp32 and at int4-fp32 (those blocks, fp32 activations) gives HF's tokens, with
+    int4-fp32's logits as close to the torch decoder's as fp32 summation order allows."""
     from transformers import AutoTokenizer
 
     from rbcompile.artifact.models import load_hf_model, resolve_checkpoint
     from rbcompile.artifact.packed_weights import pack
+    from rbcompile.artifact.step_executor import sequence_logits
     from rbcompile.kernels.int_weights import dequantize
 
     path = resolve_checkpoint("smollm2-135m")
@@ -206,11 +208,18 @@ def test_smollm2_executor_reproduces_the_shipped_weights_and_hf_tokens():
         assert torch.equal(dequantize(executor.array(f"{key}@{level}")), executor.tensors[key])
     # so an artifact stored int4 (compile --weights int4) holds the source's values exactly
     assert pack(dict(executor.tensors), "int4")[3].max_abs_error == 0
-    model.use_executor("onnxruntime", "fp32")
     batch = AutoTokenizer.from_pretrained(path)(["The capital of France is"], return_tensors="pt")
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    assert model.generate(ids, mask, max_new_tokens=12).tokens == hf_new_tokens(
-        eager, ids, mask, 12)
+    expected = hf_new_tokens(eager, ids, mask, 12)
+    shape = model.decoder.shape
+    dims = (shape.kv_heads, shape.head_dim, shape.layers)
+    model.use_executor("torch")
+    reference = sequence_logits(model.decoder, ids, mask, *dims)
+    for level in ("fp32", "int4-fp32"):
+        model.use_executor("onnxruntime", level)
+        assert model.generate(ids, mask, max_new_tokens=12).tokens == expected, level
+        logits = sequence_logits(model.decoder, ids, mask, *dims)
+        assert (logits - reference).abs().max() < 2e-5 * reference.abs().max(), level
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "mistral"])

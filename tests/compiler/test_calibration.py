@@ -150,7 +150,7 @@ def test_decode_curve_puts_weight_levels_and_skip_plans_on_one_frontier(
     table = capsys.readouterr().out
     result = json.loads((tmp_path / "curve" / "decode-curve.json").read_text())
     points = result["points"]
-    assert [p["level"] for p in points if p["budget"] == 0] == ["fp32", "int8", "int4"]
+    assert [p["level"] for p in points if p["budget"] == 0] == ["fp32", "int8", "int4", "int4-fp32"]
     skips = [p for p in points if p["level"] == "fp32" and p["budget"] > 0]
     assert skips and all(p["skipped_mlps"] > 0 for p in skips)
     assert {p["budget"] for p in points if p["level"] == "int4"} == {0.0} | {p["budget"] for p in skips}

@@ -179,7 +179,7 @@ def test_calibration_measures_each_plan_at_each_weight_level(calibrated, tmp_pat
     levels = {p["level"]: p["decoder_quality_loss"] for p in calibrated.manifest["precisions"]}
     lossy = [plan for plan in calibrated.plans if plan.budget > 0]
     for plan in lossy:
-        assert set(dict(plan.precision_losses)) == {"int8", "int4"}
+        assert set(dict(plan.precision_losses)) == {"int8", "int4", "int4-fp32"}
         if all(calibrated.decoder_gates(plan.budget)):
             assert dict(plan.precision_losses) == levels
     loaded = rbcompile.load(calibrated.save(tmp_path / "artifact"))

@@ -42,7 +42,7 @@ def test_compile_writes_complete_artifact(llama_artifact):
     kinds = {r["kind"] for r in manifest["regions"]}
     assert kinds == {"skeleton", "prunable", "cache"}
     assert all("module_path" in r and "flops_share" in r for r in manifest["regions"])
-    assert [p["level"] for p in manifest["precisions"]] == ["int8", "int4"]  # measured at compile
+    assert [p["level"] for p in manifest["precisions"]] == ["int8", "int4", "int4-fp32"]  # at compile
     assert all(0 <= p["decoder_quality_loss"] <= 1 and "perplexity" in p["heldout"]
                for p in manifest["precisions"])
 

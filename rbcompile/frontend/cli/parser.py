@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rbcompile.artifact.manifest import PRECISION_LEVELS   # stdlib only: no torch here
 from rbcompile.frontend.cli.serve_options import add_limit_options
 
 # Deferred on purpose: the commands import the rest of rbcompile (and torch) when they run,
@@ -38,10 +39,10 @@ def _precisions(text: str) -> tuple[str, ...] | str:
         return "auto"
     levels = () if text.strip().lower() in ("", "none") else tuple(
         dict.fromkeys(part.strip() for part in text.split(",")))
-    unknown = [level for level in levels if level not in ("int8", "int4")]
+    unknown = [level for level in levels if level not in PRECISION_LEVELS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"precisions are among int8,int4 (or none), got "
-                                         f"{', '.join(unknown)}")
+        raise argparse.ArgumentTypeError(f"precisions are among {','.join(PRECISION_LEVELS)} (or "
+                                         f"none), got {', '.join(unknown)}")
     return levels
 
 
@@ -63,10 +64,12 @@ def _executor_options(parser) -> None:
                         "graph per plan, no per-op overhead), torch (the generated module op "
                         "by op, the reference), auto (default: onnxruntime where it runs the "
                         "model, a Llama-family fp32 decoder on the CPU)")
-    parser.add_argument("--weights", choices=("fp32", "int8", "int4"), default="fp32",
-                        help="decoders, onnxruntime executor: weight precision (int4 keeps the "
-                        "vocabulary head int8); allowed where its quality loss measured at "
-                        "compile is within --max-quality-loss")
+    parser.add_argument("--weights", choices=("fp32", *PRECISION_LEVELS), default="fp32",
+                        help="decoders, onnxruntime executor: weight precision (int8 and int4 "
+                        "compute with int8 activations, int4 keeps the vocabulary head int8; "
+                        "int4-fp32: int4 blocks, fp32 activations and head, exact on a GGUF "
+                        "Q4 source); allowed where its quality loss measured at compile is "
+                        "within --max-quality-loss")
 
 
 def _placement_options(parser, device_help: str, dtype_help: str) -> None:
@@ -127,8 +130,9 @@ def _add_compile(sub) -> None:
                        "precision the graph is traced and runs in: fp32 (default), bf16, fp16")
     p.add_argument("--precisions", type=_precisions, default="auto", metavar="LEVELS",
                    help="decoders: weight precisions to measure on held-out text for `run` / "
-                   "`serve --weights` (comma-separated among int8,int4, or none; default "
-                   "auto: int8,int4 where the onnxruntime executor runs the model)")
+                   f"`serve --weights` (comma-separated among {','.join(PRECISION_LEVELS)}, or "
+                   "none; default auto: all of them where the onnxruntime executor runs the "
+                   "model)")
     p.add_argument("--weights", choices=("fp32", "int8", "int4"), default="fp32",
                    help="store the linears at this precision, the smallest artifact (int4 keeps "
                    "the vocabulary head int8); the full path runs their values. A GGUF source's "
