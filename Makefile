@@ -37,6 +37,7 @@ demo: $(STAMP)
 	$(VENV)/bin/rbcompile inspect build/smollm2-135m --budget 0.1
 	$(VENV)/bin/rbcompile run build/smollm2-135m --text "The capital of France is" --max-new-tokens 8
 	$(VENV)/bin/rbcompile run build/smollm2-135m --text "The capital of France is" --max-new-tokens 8 --budget 0.1
+	$(VENV)/bin/rbcompile run build/smollm2-135m --text "The capital of France is" --max-new-tokens 8 --weights int4-fp32
 
 test: $(STAMP)
 	$(PY) $(PYTEST) tests

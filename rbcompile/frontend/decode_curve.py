@@ -180,10 +180,10 @@ def as_json(points: list[DecodePoint]) -> dict:
 
 
 def format_table(points: list[DecodePoint]) -> str:
-    lines = [f"{'setting':<22} {'MLPs off':>8} {'step ms':>8} {'speedup':>8} {'perplexity':>10} "
+    lines = [f"{'setting':<24} {'MLPs off':>8} {'step ms':>8} {'speedup':>8} {'perplexity':>10} "
              f"{'top-1':>7} {'loss':>6}"]
     for p in points:
-        lines.append(f"{p.label:<22} {p.skipped_mlps:8d} {p.step_ms:8.2f} {p.speedup:7.2f}x "
+        lines.append(f"{p.label:<24} {p.skipped_mlps:8d} {p.step_ms:8.2f} {p.speedup:7.2f}x "
                      f"{p.perplexity:10.2f} {p.top1_agreement:7.1%} {p.quality_loss:6.3f}")
     for d in dominance(points):
         if d.rival is None:

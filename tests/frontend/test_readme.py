@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from rbcompile.frontend.cli import _build_parser, main
 
@@ -41,13 +42,24 @@ def test_readme_command_parses(argv):
 
 
 @pytest.fixture(scope="module")
-def artifacts(compiled_tiny, tiny_checkpoints, tmp_path_factory):
+def artifacts(compiled_tiny, tmp_path_factory):
     """The README's artifact folders, as tiny artifacts of the same family (the decoder's
-    weight precisions measured, as `rbcompile compile` does)."""
+    weight precisions measured, as `rbcompile compile` does). Like the bundled SmolLM2 (a GGUF
+    of int4 blocks), the tiny llama's block linears are int4 blocks."""
     import rbcompile
+    from rbcompile.kernels.int_weights import dequantize, quantize
+
+    from conftest import make_tiny_model, save_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("readme")
-    smol = rbcompile.compile(tiny_checkpoints["llama"], precisions="auto")
+    eager = make_tiny_model("llama")
+    with torch.no_grad():
+        for name, module in eager.model.layers.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(dequantize(quantize(module.weight, 4)))
+    eager.save_pretrained(root / "int4-llama")
+    save_tiny_tokenizer(root / "int4-llama")
+    smol = rbcompile.compile(root / "int4-llama", precisions="auto")
     return {"build/smol": smol.save(root / "smol"),
             "build/minilm": compiled_tiny["bert"][0].save(root / "minilm")}
 

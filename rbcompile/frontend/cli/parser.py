@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rbcompile.artifact.manifest import PRECISION_LEVELS   # stdlib only: no torch here
+from rbcompile.artifact.manifest import PRECISION_LEVELS  # stdlib only: no torch here
 from rbcompile.frontend.cli.serve_options import add_limit_options
 
 # Deferred on purpose: the commands import the rest of rbcompile (and torch) when they run,
