@@ -29,19 +29,25 @@ WEIGHT_LEVELS = ("fp32", *PRECISION_LEVELS)
 @dataclass(frozen=True)
 class StoredPrecision:
     """A weight precision as calibration measured it on held-out text (the manifest's
-    `precisions`): its quality loss against the full path (quality.quality_loss) and the
-    measures behind it."""
+    `precisions`): its quality loss against the full path (quality.quality_loss), the
+    measures behind it, and its batch-1 decode step's speedup over the fp32 full path on the
+    machine that compiled it (None: not timed)."""
     level: str
     decoder_quality_loss: float
     heldout: dict
+    speedup: float | None = None
 
     def to_json(self) -> dict:
-        return {"level": self.level, "decoder_quality_loss": self.decoder_quality_loss,
-                "heldout": self.heldout}
+        stored = {"level": self.level, "decoder_quality_loss": self.decoder_quality_loss,
+                  "heldout": self.heldout}
+        if self.speedup is not None:
+            stored["speedup"] = self.speedup
+        return stored
 
     @classmethod
     def from_json(cls, entry: dict) -> "StoredPrecision":
-        return cls(entry["level"], float(entry["decoder_quality_loss"]), dict(entry["heldout"]))
+        return cls(entry["level"], float(entry["decoder_quality_loss"]), dict(entry["heldout"]),
+                   entry.get("speedup"))
 
 
 def stored_precisions(manifest: dict) -> dict[str, StoredPrecision]:
@@ -66,6 +72,20 @@ def onnxruntime_reason(compiled) -> str | None:
     if decoder.mlp_layers() is None:
         return "its decoder gates are not all MLP branches"
     return None
+
+
+AUTO = "auto"
+
+
+def resolve_weights(manifest: dict, weights: str, guard: QualityGuard) -> str:
+    """`weights`, or for "auto" the measured level with the largest decode speedup whose loss
+    `guard` allows (fp32 where none is faster)."""
+    if weights != AUTO:
+        return weights
+    allowed = [level for level in stored_precisions(manifest).values()
+               if level.speedup is not None and level.speedup > 1
+               and guard.allows(level.decoder_quality_loss)]
+    return max(allowed, key=lambda level: level.speedup).level if allowed else "fp32"
 
 
 def _check_level(weights: str) -> None:

@@ -193,9 +193,11 @@ def _check_precisions(where, precisions) -> None:
     if not isinstance(precisions, list) or not all(
             isinstance(entry, dict) and entry.get("level") in PRECISION_LEVELS
             and _number(entry.get("decoder_quality_loss")) and entry["decoder_quality_loss"] >= 0
-            and isinstance(entry.get("heldout"), dict) for entry in precisions):
+            and isinstance(entry.get("heldout"), dict)
+            and (entry.get("speedup") is None or (_number(entry["speedup"]) and entry["speedup"] > 0))
+            for entry in precisions):
         _fail(where, f"precisions must be a list of {{level: {' | '.join(PRECISION_LEVELS)}, "
-                     "decoder_quality_loss >= 0, heldout}")
+                     "decoder_quality_loss >= 0, heldout, speedup > 0 or absent}")
 
 
 def _check_packed(where, packed, digests: dict) -> None:

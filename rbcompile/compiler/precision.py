@@ -7,10 +7,15 @@ perplexity and top-1 agreement with the full path go through quality.quality_los
 guard's unit. The fp32 full path of the same executor is measured too, as a check that the
 executor itself costs nothing. Each calibrated plan that skips work in the decoder is measured
 again at every level (skipping and precision together), so the guard bounds the pair that runs.
+Each level's batch-1 decode step is timed against fp32's (`--weights auto` picks by it).
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import replace
+
+import torch
 
 from rbcompile.artifact import quality
 from rbcompile.artifact.executors import WEIGHT_LEVELS, StoredPrecision, onnxruntime_reason
@@ -22,6 +27,49 @@ from rbcompile.progress import say
 # compiler (they add to every compile's start).
 
 LOW_LEVELS = tuple(level for level in WEIGHT_LEVELS if level != "fp32")
+PROMPT_TOKENS, STEPS, ROUNDS = 64, 32, 3   # the decode steps timed per level
+
+
+def timing_prompt(compiled, batches) -> tuple[torch.Tensor, int]:
+    """(prompt [1, P], steps) for timing decode steps: the first batch's first row, cut so
+    that the prompt and the steps fit the model's positions."""
+    steps = min(STEPS, compiled.max_positions // 2)
+    return batches[0][0][:1, :min(PROMPT_TOKENS, compiled.max_positions - steps)], steps
+
+
+def decode_step_seconds(compiled, level: str, gates, prompt: torch.Tensor, steps: int) -> float:
+    """The median time of `steps` greedy batch-1 decode steps with the weights at `level` and
+    decoder `gates` (None: all on), after prefilling `prompt` [1, P] (not counted)."""
+    decoder, shape = compiled.decoder, compiled.decoder.shape
+    compiled.use_executor("onnxruntime", level)
+    gates = None if gates is None else list(gates)
+    tokens = prompt.shape[1]
+    total = tokens + steps
+    cache = [torch.zeros(1, shape.kv_heads, total, shape.head_dim)
+             for _ in range(2 * shape.layers)]
+    mask = torch.ones(1, total, dtype=torch.long)
+    slots = torch.arange(tokens)
+    logits = decoder(prompt, mask[:, :tokens], slots[None], slots, torch.tensor([tokens - 1]),
+                     cache, gates)
+    times = []
+    for position in range(tokens, total):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        logits = decoder(token, mask[:, :position + 1], torch.tensor([[position]]),
+                         torch.tensor([position]), torch.tensor([0]), cache, gates)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def level_speedups(compiled, batches, levels: tuple[str, ...]) -> dict[str, float]:
+    """Each level's batch-1 decode step speedup over fp32 (median of ROUNDS, interleaved)."""
+    prompt, steps = timing_prompt(compiled, batches)
+    times: dict[str, list[float]] = {level: [] for level in ("fp32", *levels)}
+    for _ in range(ROUNDS):
+        for level in times:
+            times[level].append(decode_step_seconds(compiled, level, None, prompt, steps))
+    full = statistics.median(times["fp32"])
+    return {level: full / statistics.median(times[level]) for level in levels}
 
 
 class DecoderQuality:
@@ -71,7 +119,11 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...],
     decoder = compiled.decoder
     previous = decoder.executor, decoder.precision, decoder.weights
     try:
-        stored = _levels(measure, levels)
+        speedups = level_speedups(compiled, batches, levels)
+        say("  batch-1 decode step against fp32: " + ", ".join(
+            f"{level} {speedup:.2f}x" for level, speedup in speedups.items()))
+        stored = [replace(level, speedup=speedups[level.level])
+                  for level in _levels(measure, levels)]
         plans = plans and _plans_at_levels(measure, plans, stored)
     finally:
         if decoder.step_executor is not None:

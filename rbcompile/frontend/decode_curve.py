@@ -12,11 +12,8 @@ skip-only plan, is there a lower-precision setting at least as fast that costs l
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
 
 from rbcompile.artifact import quality
 from rbcompile.artifact.executors import WEIGHT_LEVELS, onnxruntime_reason, stored_precisions
@@ -27,7 +24,6 @@ from rbcompile.progress import say
 # Deferred on purpose: matplotlib (optional) loads only to draw a plot.
 
 DEFAULT_BUDGETS = (0.05, 0.1, 0.25, 0.5)   # an uncalibrated artifact's fixed skip order
-PROMPT_TOKENS, STEPS = 64, 32
 
 
 @dataclass(frozen=True)
@@ -88,36 +84,11 @@ def _skipping(compiled, candidates) -> list[tuple[float, tuple[bool, ...]]]:
     return out
 
 
-def step_seconds(compiled, setting: DecodeSetting, prompt: torch.Tensor,
-                 steps: int = STEPS) -> float:
-    """The median time of `steps` greedy batch-1 decode steps after prefilling `prompt` [1, P]
-    (the prefill not counted)."""
-    decoder, shape = compiled.decoder, compiled.decoder.shape
-    compiled.use_executor("onnxruntime", setting.level)
-    gates = None if setting.gates is None else list(setting.gates)
-    tokens = prompt.shape[1]
-    total = tokens + steps
-    cache = [torch.zeros(1, shape.kv_heads, total, shape.head_dim)
-             for _ in range(2 * shape.layers)]
-    mask = torch.ones(1, total, dtype=torch.long)
-    slots = torch.arange(tokens)
-    logits = decoder(prompt, mask[:, :tokens], slots[None], slots, torch.tensor([tokens - 1]),
-                     cache, gates)
-    times = []
-    for position in range(tokens, total):
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        start = time.perf_counter()
-        logits = decoder(token, mask[:, :position + 1], torch.tensor([[position]]),
-                         torch.tensor([position]), torch.tensor([0]), cache, gates)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def frontier(compiled, batches, *, rounds: int = 3,
              levels: tuple[str, ...] | None = None) -> list[DecodePoint]:
     """Every setting's quality on `batches` ([(input_ids, mask)]) and decode step time
     (median of `rounds`, interleaved)."""
-    from rbcompile.compiler.precision import DecoderQuality
+    from rbcompile.compiler.precision import DecoderQuality, decode_step_seconds, timing_prompt
 
     chosen = settings(compiled, levels)
     measure = DecoderQuality(compiled, batches)
@@ -127,12 +98,12 @@ def frontier(compiled, batches, *, rounds: int = 3,
                                        else list(setting.gates))
         say(f"  quality {index}/{len(chosen)}: {setting.label}: perplexity "
             f"{measured[setting]['perplexity']:.2f}")
-    steps = min(STEPS, compiled.max_positions // 2)
-    prompt = batches[0][0][:1, :min(PROMPT_TOKENS, compiled.max_positions - steps)]
+    prompt, steps = timing_prompt(compiled, batches)
     times: dict[DecodeSetting, list[float]] = {setting: [] for setting in chosen}
     for round_index in range(rounds):
         for setting in chosen:
-            times[setting].append(step_seconds(compiled, setting, prompt, steps))
+            times[setting].append(decode_step_seconds(compiled, setting.level, setting.gates,
+                                                      prompt, steps))
         say(f"  decode-step round {round_index + 1}/{rounds}")
     full = statistics.median(times[chosen[0]])
     points = []

@@ -239,3 +239,18 @@ def test_other_llama_family_decoders_generate_hf_tokens(model_type):
     mask = (DECODER_PROMPTS != 0).long()
     result = model.generate(DECODER_PROMPTS, mask, max_new_tokens=8)
     assert result.tokens == hf_new_tokens(eager, DECODER_PROMPTS, mask, 8)
+
+
+def test_weights_auto_resolves_to_the_fastest_level_within_the_guard():
+    from rbcompile.artifact.executors import resolve_weights
+
+    manifest = {"precisions": [StoredPrecision("int8", 0.05, {}, 2.0).to_json(),
+                               StoredPrecision("int4", 0.05, {}, 2.1).to_json(),
+                               StoredPrecision("int4-fp32", 0.0, {}, 1.4).to_json()]}
+    assert resolve_weights(manifest, "auto", QualityGuard(0.03)) == "int4-fp32"
+    assert resolve_weights(manifest, "auto", QualityGuard(0.06)) == "int4"
+    assert resolve_weights(manifest, "int8", QualityGuard(0.0)) == "int8"   # asked: unchanged
+    untimed = {"precisions": [StoredPrecision("int4", 0.0, {}).to_json()]}
+    assert resolve_weights(untimed, "auto", QualityGuard()) == "fp32"
+    slower = {"precisions": [StoredPrecision("int4", 0.0, {}, 0.9).to_json()]}
+    assert resolve_weights(slower, "auto", QualityGuard()) == "fp32"

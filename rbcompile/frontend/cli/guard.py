@@ -37,10 +37,15 @@ def _unmeasured_plans(model) -> int:
 
 
 def _use_executor(model, executor: str, weights: str, guard) -> str:
-    """Run `model`'s decode steps with `executor` at `weights` (--executor, --weights), which
-    must be within `guard`; one line on stderr where the weights are not fp32."""
-    from rbcompile.artifact.executors import check_precision, stored_precisions
+    """Run `model`'s decode steps with `executor` at `weights` (--weights; "auto" resolved
+    by executors.resolve_weights), which must be within `guard`; one line on stderr where the
+    weights are not fp32 or were chosen."""
+    from rbcompile.artifact.executors import check_precision, resolve_weights, stored_precisions
 
+    asked, weights = weights, resolve_weights(model.manifest, weights, guard)
+    if asked != weights and weights == "fp32":
+        print("rbcompile: --weights auto: fp32 (no measured level is faster within the guard)",
+              file=sys.stderr)
     check_precision(model.manifest, weights, guard)
     if model.decoder is None:
         return "torch"
@@ -49,7 +54,10 @@ def _use_executor(model, executor: str, weights: str, guard) -> str:
         measured = stored_precisions(model.manifest).get(weights)
         loss = "unmeasured" if measured is None else (
             f"quality loss {measured.decoder_quality_loss:.3f} measured")
-        print(f"rbcompile: {weights} weights ({loss}) on {chosen}", file=sys.stderr)
+        if measured is not None and measured.speedup is not None:
+            loss += f", decode step {measured.speedup:.2f}x fp32"
+        print(f"rbcompile: {'--weights auto: ' if asked != weights else ''}{weights} weights "
+              f"({loss}) on {chosen}", file=sys.stderr)
     return chosen
 
 

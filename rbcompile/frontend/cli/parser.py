@@ -64,12 +64,14 @@ def _executor_options(parser) -> None:
                         "graph per plan, no per-op overhead), torch (the generated module op "
                         "by op, the reference), auto (default: onnxruntime where it runs the "
                         "model, a Llama-family fp32 decoder on the CPU)")
-    parser.add_argument("--weights", choices=("fp32", *PRECISION_LEVELS), default="fp32",
+    parser.add_argument("--weights", choices=("fp32", *PRECISION_LEVELS, "auto"),
+                        default="fp32",
                         help="decoders, onnxruntime executor: weight precision (int8 and int4 "
                         "compute with int8 activations, int4 keeps the vocabulary head int8; "
                         "int4-fp32: int4 blocks, fp32 activations and head, exact on a GGUF "
                         "Q4 source); allowed where its quality loss measured at compile is "
-                        "within --max-quality-loss")
+                        "within --max-quality-loss. auto: the level whose decode step measured "
+                        "fastest at compile among those allowed (fp32 if none)")
 
 
 def _placement_options(parser, device_help: str, dtype_help: str) -> None:

@@ -62,7 +62,8 @@ def _cmd_serve(args) -> None:
     print(f"quality guard: max quality loss {args.max_quality_loss:g}; {_guard_leaves(model)}",
           file=sys.stderr)
     if model.decoder is not None:
-        print(f"decode steps: {executor} executor, {config.weights} weights", file=sys.stderr)
+        print(f"decode steps: {executor} executor, {model.decoder.weights} weights",
+              file=sys.stderr)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr)
     _serve_until_signalled(partial(connections.serve, app, sock, connection_limits))
@@ -94,12 +95,15 @@ def _serve_ray(args, config) -> None:
     if args.replicas < 1 or not args.replica_cpus > 0:
         raise UserError("--replicas must be >= 1 and --replica-cpus > 0")
     import_ray()  # the one-line error without the extra, before anything starts
+    from dataclasses import replace
     from pathlib import Path
 
     from rbcompile.artifact import manifest
-    from rbcompile.artifact.executors import check_precision
-    from rbcompile.frontend.cli.guard import _guard_from
-    check_precision(manifest.read(Path(args.artifact)), config.weights, _guard_from(args))
+    from rbcompile.artifact.executors import check_precision, resolve_weights
+
+    stored, guard = manifest.read(Path(args.artifact)), _guard_from(args)
+    config = replace(config, weights=resolve_weights(stored, config.weights, guard))
+    check_precision(stored, config.weights, guard)
     serve_on_ray(args, config)
 
 
