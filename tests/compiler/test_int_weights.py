@@ -7,19 +7,27 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from rbcompile.artifact.step_graph import MS_DOMAIN, StepShape, StepVariant, _Builder
-from rbcompile.kernels.int_weights import dequantize, quantize, reference_linear
+from rbcompile.artifact.step_graph import (
+    ACCURACY_LEVELS,
+    MS_DOMAIN,
+    StepShape,
+    StepVariant,
+    _Builder,
+)
+from rbcompile.kernels.int_weights import LEVELS, dequantize, quantize, reference_linear
 
-# |graph - reference| <= TOLERANCE * max |reference|: MatMulNBits rounds its inputs to int8
-# per block (accuracy level 4, the fast kernels), which costs about 1% of the output's scale
-TOLERANCE = {8: 0.03, 4: 0.03}
+# |graph - reference| <= TOLERANCE * max |reference|: int8 and int4 round their inputs to int8
+# per block (accuracy level 4, the fast kernels), which costs about 1% of the output's scale;
+# int4-fp32 keeps them fp32 (level 0), so only the order of fp32 sums differs
+TOLERANCE = {"int8": 0.03, "int4": 0.03, "int4-fp32": 1e-5}
+BITS = {**LEVELS, "int4-fp32": 4}
 
 
-def _graph_linear(packed, x: torch.Tensor) -> torch.Tensor:
+def _graph_linear(packed, x: torch.Tensor, level: str) -> torch.Tensor:
     """One int linear as the step graph builds it (`_Builder._int_linear`), run in onnxruntime."""
     builder = _Builder(StepShape(1, packed.in_features, 1, 1, 1, 1, 1e-5, 1), StepVariant(),
                        source=lambda name: packed)
-    y = builder._int_linear("x", "w", packed, out="y")
+    y = builder._int_linear("x", "w", packed, ACCURACY_LEVELS[level], out="y")
     graph = helper.make_graph(
         builder.nodes, "linear",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, packed.in_features])],
@@ -34,18 +42,18 @@ def _graph_linear(packed, x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("level", ["int8", "int4", "int4-fp32"])
 @pytest.mark.parametrize("out_features,in_features", [(7, 32), (96, 100), (33, 576), (64, 48)])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_matmul_nbits_matches_the_reference(bits, out_features, in_features, rows):
-    generator = torch.Generator().manual_seed(out_features * in_features + bits)
+def test_matmul_nbits_matches_the_reference(level, out_features, in_features, rows):
+    generator = torch.Generator().manual_seed(out_features * in_features + BITS[level])
     weight = torch.randn(out_features, in_features, generator=generator) * 0.05
     x = torch.randn(1, rows, in_features, generator=generator)
-    packed = quantize(weight, bits)
+    packed = quantize(weight, BITS[level])
     expected = reference_linear(x, packed)
-    got = _graph_linear(packed, x)
+    got = _graph_linear(packed, x, level)
     assert got.shape == expected.shape
-    assert (got - expected).abs().max() <= TOLERANCE[bits] * expected.abs().max()
+    assert (got - expected).abs().max() <= TOLERANCE[level] * expected.abs().max()
 
 
 @pytest.mark.parametrize("bits", [8, 4])
