@@ -30,24 +30,36 @@ WEIGHT_LEVELS = ("fp32", *PRECISION_LEVELS)
 class StoredPrecision:
     """A weight precision as calibration measured it on held-out text (the manifest's
     `precisions`): its quality loss against the full path (quality.quality_loss), the
-    measures behind it, and its batch-1 decode step's speedup over the fp32 full path on the
-    machine that compiled it (None: not timed)."""
+    measures behind it, and its decode step's speedup over the fp32 full path per batch rows,
+    on the machine that compiled it ((rows, speedup) pairs, ascending; empty: not timed)."""
     level: str
     decoder_quality_loss: float
     heldout: dict
-    speedup: float | None = None
+    speedups: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def speedup(self) -> float | None:
+        """The batch-1 decode step's speedup (None: not timed)."""
+        return dict(self.speedups).get(1)
+
+    @property
+    def fp32_from_rows(self) -> int | None:
+        """Steps of at least this many rows run fp32: the first timed batch size at which this
+        level was no faster (None: faster at every one timed, or not timed)."""
+        return next((rows for rows, speedup in self.speedups if speedup <= 1), None)
 
     def to_json(self) -> dict:
         stored = {"level": self.level, "decoder_quality_loss": self.decoder_quality_loss,
                   "heldout": self.heldout}
-        if self.speedup is not None:
-            stored["speedup"] = self.speedup
+        if self.speedups:
+            stored["speedups"] = {str(rows): speedup for rows, speedup in self.speedups}
         return stored
 
     @classmethod
     def from_json(cls, entry: dict) -> "StoredPrecision":
         return cls(entry["level"], float(entry["decoder_quality_loss"]), dict(entry["heldout"]),
-                   entry.get("speedup"))
+                   tuple(sorted((int(rows), speedup)
+                                for rows, speedup in entry.get("speedups", {}).items())))
 
 
 def stored_precisions(manifest: dict) -> dict[str, StoredPrecision]:
@@ -140,5 +152,7 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
     decoder.executor.prepack = weights == "fp32"
     decoder.precision = level_precision(weights, decoder.executor.linear_weights())
     decoder.weights = weights
+    measured = stored_precisions(compiled.manifest).get(weights)
+    decoder.executor.full_precision_rows = measured and measured.fp32_from_rows
     return executor
 

@@ -194,10 +194,15 @@ def _check_precisions(where, precisions) -> None:
             isinstance(entry, dict) and entry.get("level") in PRECISION_LEVELS
             and _number(entry.get("decoder_quality_loss")) and entry["decoder_quality_loss"] >= 0
             and isinstance(entry.get("heldout"), dict)
-            and (entry.get("speedup") is None or (_number(entry["speedup"]) and entry["speedup"] > 0))
-            for entry in precisions):
+            and _speedups(entry.get("speedups", {})) for entry in precisions):
         _fail(where, f"precisions must be a list of {{level: {' | '.join(PRECISION_LEVELS)}, "
-                     "decoder_quality_loss >= 0, heldout, speedup > 0 or absent}")
+                     "decoder_quality_loss >= 0, heldout, speedups {rows: > 0} or absent}")
+
+
+def _speedups(speedups) -> bool:
+    return isinstance(speedups, dict) and all(
+        str(rows).isdigit() and int(rows) > 0 and _number(speedup) and speedup > 0
+        for rows, speedup in speedups.items())
 
 
 def _check_packed(where, packed, digests: dict) -> None:

@@ -60,6 +60,9 @@ class StepExecutor:
         # int4 MatMulNBits is slower than fp32 on GEMMs (benchmarks/bench_precision.py); None:
         # every step at the given precision (what calibration measures)
         self.full_precision_from: int | None = FULL_PRECISION_FROM
+        # steps of at least this many rows run the fp32 weights too: where the level measured
+        # no faster than fp32 at compile (StoredPrecision.fp32_from_rows; None: every step)
+        self.full_precision_rows: int | None = None
         self.qkv_bias = "model.layers.0.self_attn.q_proj.bias" in weights
         embedding = next(key for key in EMBEDDING_KEYS if key in weights)
         self.tensors = {key: tensor.detach().contiguous() for key, tensor in weights.items()}
@@ -158,7 +161,8 @@ class StepExecutor:
         if attention_mask is None:  # an unpadded prefill: every slot is kept
             attention_mask = torch.ones(batch, start + tokens, dtype=torch.long)
         fused = batch == 1 or tokens == 1   # what GroupQueryAttention's CPU kernel takes
-        if self.full_precision_from is not None and tokens >= self.full_precision_from:
+        if ((self.full_precision_from is not None and tokens >= self.full_precision_from)
+                or (self.full_precision_rows is not None and batch >= self.full_precision_rows)):
             precision = None
         variant = self.variant(gates, precision, fused)
         session, binding = self.session(variant)

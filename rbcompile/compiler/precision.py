@@ -28,6 +28,7 @@ from rbcompile.progress import say
 
 LOW_LEVELS = tuple(level for level in WEIGHT_LEVELS if level != "fp32")
 PROMPT_TOKENS, STEPS, ROUNDS = 64, 32, 3   # the decode steps timed per level
+ROWS = (1, 2, 8)   # batch sizes each level's decode step is timed at (kernels change)
 
 
 def timing_prompt(compiled, batches) -> tuple[torch.Tensor, int]:
@@ -38,38 +39,47 @@ def timing_prompt(compiled, batches) -> tuple[torch.Tensor, int]:
 
 
 def decode_step_seconds(compiled, level: str, gates, prompt: torch.Tensor, steps: int) -> float:
-    """The median time of `steps` greedy batch-1 decode steps with the weights at `level` and
-    decoder `gates` (None: all on), after prefilling `prompt` [1, P] (not counted)."""
+    """The median time of `steps` greedy decode steps with every step's linears at `level` and
+    decoder `gates` (None: all on), after prefilling `prompt` [B, P] (not counted)."""
     decoder, shape = compiled.decoder, compiled.decoder.shape
     compiled.use_executor("onnxruntime", level)
+    decoder.executor.full_precision_rows = None
     gates = None if gates is None else list(gates)
-    tokens = prompt.shape[1]
+    rows, tokens = prompt.shape
     total = tokens + steps
-    cache = [torch.zeros(1, shape.kv_heads, total, shape.head_dim)
+    cache = [torch.zeros(rows, shape.kv_heads, total, shape.head_dim)
              for _ in range(2 * shape.layers)]
-    mask = torch.ones(1, total, dtype=torch.long)
+    mask = torch.ones(rows, total, dtype=torch.long)
     slots = torch.arange(tokens)
-    logits = decoder(prompt, mask[:, :tokens], slots[None], slots, torch.tensor([tokens - 1]),
-                     cache, gates)
+    logits = decoder(prompt.contiguous(), mask[:, :tokens], slots.expand(rows, -1).contiguous(),
+                     slots, torch.tensor([tokens - 1]), cache, gates)
     times = []
     for position in range(tokens, total):
         token = logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
-        logits = decoder(token, mask[:, :position + 1], torch.tensor([[position]]),
+        logits = decoder(token, mask[:, :position + 1], torch.full((rows, 1), position),
                          torch.tensor([position]), torch.tensor([0]), cache, gates)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def level_speedups(compiled, batches, levels: tuple[str, ...]) -> dict[str, float]:
-    """Each level's batch-1 decode step speedup over fp32 (median of ROUNDS, interleaved)."""
+def level_speedups(compiled, batches, levels: tuple[str, ...]
+                   ) -> dict[str, tuple[tuple[int, float], ...]]:
+    """Each level's decode step speedup over fp32 at each of ROWS (the prompt's row repeated;
+    median of ROUNDS, levels interleaved): int4 kernels that win at one row lose at several."""
     prompt, steps = timing_prompt(compiled, batches)
-    times: dict[str, list[float]] = {level: [] for level in ("fp32", *levels)}
-    for _ in range(ROUNDS):
-        for level in times:
-            times[level].append(decode_step_seconds(compiled, level, None, prompt, steps))
-    full = statistics.median(times["fp32"])
-    return {level: full / statistics.median(times[level]) for level in levels}
+    prompt, steps = prompt[:, :PROMPT_TOKENS // 2], min(steps, 12)
+    speedups: dict[str, list[tuple[int, float]]] = {level: [] for level in levels}
+    for rows in ROWS:
+        times: dict[str, list[float]] = {level: [] for level in ("fp32", *levels)}
+        for _ in range(ROUNDS):
+            for level in times:
+                times[level].append(decode_step_seconds(compiled, level, None,
+                                                        prompt.expand(rows, -1), steps))
+        full = statistics.median(times["fp32"])
+        for level in levels:
+            speedups[level].append((rows, full / statistics.median(times[level])))
+    return {level: tuple(pairs) for level, pairs in speedups.items()}
 
 
 class DecoderQuality:
@@ -98,6 +108,7 @@ class DecoderQuality:
         decoder = self.compiled.decoder
         self.compiled.use_executor("onnxruntime", level)
         decoder.executor.full_precision_from = None   # every position at `level`
+        decoder.executor.full_precision_rows = None   # at every batch size
         return self.summary(lambda *step: decoder(*step, gates=gates))
 
 
@@ -120,14 +131,16 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...],
     previous = decoder.executor, decoder.precision, decoder.weights
     try:
         speedups = level_speedups(compiled, batches, levels)
-        say("  batch-1 decode step against fp32: " + ", ".join(
-            f"{level} {speedup:.2f}x" for level, speedup in speedups.items()))
-        stored = [replace(level, speedup=speedups[level.level])
+        for level, pairs in speedups.items():
+            say(f"  {level} decode step against fp32 at " + ", ".join(
+                f"{rows} row{'s' * (rows > 1)} {speedup:.2f}x" for rows, speedup in pairs))
+        stored = [replace(level, speedups=speedups[level.level])
                   for level in _levels(measure, levels)]
         plans = plans and _plans_at_levels(measure, plans, stored)
     finally:
         if decoder.step_executor is not None:
             decoder.step_executor.full_precision_from = FULL_PRECISION_FROM
+            decoder.step_executor.full_precision_rows = None
             decoder.step_executor.prepack = previous[2] == "fp32"
         decoder.executor, decoder.precision, decoder.weights = previous
     return stored, plans

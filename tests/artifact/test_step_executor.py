@@ -244,13 +244,40 @@ def test_other_llama_family_decoders_generate_hf_tokens(model_type):
 def test_weights_auto_resolves_to_the_fastest_level_within_the_guard():
     from rbcompile.artifact.executors import resolve_weights
 
-    manifest = {"precisions": [StoredPrecision("int8", 0.05, {}, 2.0).to_json(),
-                               StoredPrecision("int4", 0.05, {}, 2.1).to_json(),
-                               StoredPrecision("int4-fp32", 0.0, {}, 1.4).to_json()]}
+    def level(name, loss, *speedups):
+        return StoredPrecision(name, loss, {}, tuple(enumerate(speedups, 1))).to_json()
+    manifest = {"precisions": [level("int8", 0.05, 2.0), level("int4", 0.05, 2.1),
+                               level("int4-fp32", 0.0, 1.4, 0.8)]}
     assert resolve_weights(manifest, "auto", QualityGuard(0.03)) == "int4-fp32"
     assert resolve_weights(manifest, "auto", QualityGuard(0.06)) == "int4"
     assert resolve_weights(manifest, "int8", QualityGuard(0.0)) == "int8"   # asked: unchanged
-    untimed = {"precisions": [StoredPrecision("int4", 0.0, {}).to_json()]}
-    assert resolve_weights(untimed, "auto", QualityGuard()) == "fp32"
-    slower = {"precisions": [StoredPrecision("int4", 0.0, {}, 0.9).to_json()]}
-    assert resolve_weights(slower, "auto", QualityGuard()) == "fp32"
+    assert resolve_weights({"precisions": [level("int4", 0.0)]}, "auto", QualityGuard()) == "fp32"
+    assert resolve_weights({"precisions": [level("int4", 0.0, 0.9)]}, "auto",
+                           QualityGuard()) == "fp32"
+    stored = StoredPrecision.from_json(manifest["precisions"][2])
+    assert stored.speedup == 1.4 and stored.fp32_from_rows == 2
+
+
+def test_steps_of_more_rows_than_a_level_pays_for_run_fp32(tiny_checkpoints):
+    """Where compile timed a level no faster than fp32 from some batch size, the executor
+    runs those steps at fp32: their logits are the fp32 graph's, the smaller steps' the
+    level's."""
+    from rbcompile.artifact.step_executor import sequence_logits
+
+    model = rbcompile.compile(tiny_checkpoints["llama"], precisions=("int4",))
+    stored = StoredPrecision.from_json(model.manifest["precisions"][0])
+    model.manifest["precisions"] = [StoredPrecision("int4", stored.decoder_quality_loss,
+                                                    stored.heldout, ((1, 2.0), (2, 0.5))).to_json()]
+    shape = model.decoder.shape
+    dims = (shape.kv_heads, shape.head_dim, shape.layers)
+    mask = (DECODER_PROMPTS != 0).long()
+    one, two = DECODER_PROMPTS[:1, :4], DECODER_PROMPTS[:2, :4]
+    logits = {}
+    for level in ("fp32", "int4"):
+        model.use_executor("onnxruntime", level)
+        model.decoder.executor.full_precision_from = None
+        logits[level] = [sequence_logits(model.decoder, ids, mask[:len(ids), :4], *dims)
+                         for ids in (one, two)]
+    assert model.decoder.executor.full_precision_rows == 2
+    assert torch.allclose(logits["int4"][1], logits["fp32"][1], atol=1e-5)
+    assert not torch.allclose(logits["int4"][0], logits["fp32"][0], atol=1e-4)

@@ -110,22 +110,23 @@ def test_run_weights_within_the_guard(llama_artifact, capsys):
     captured = capsys.readouterr()
     assert captured.out.startswith("'the time of his' -> ")
     assert re.search(rf"int4 weights \(quality loss {loss:.3f} measured, decode step "
-                     r"[\d.]+x fp32\) on onnxruntime", captured.err)
+                     r"[\d.]+x fp32 at batch 1.*\) on onnxruntime", captured.err)
     assert main(argv + ["--max-quality-loss", "1", "--executor", "torch"]) == 2
     assert "int4 weights need the onnxruntime executor" in _error_line(capsys)
 
 
 def test_run_weights_auto_takes_the_fastest_level_the_guard_allows(llama_artifact, capsys):
-    """compile times each level's decode step; --weights auto runs the fastest one whose
-    measured loss is within --max-quality-loss, and says which."""
+    """compile times each level's decode step at 1, 2 and 8 rows; --weights auto runs the fastest
+    one at batch 1 whose measured loss is within --max-quality-loss, and says which."""
     levels = json.loads((llama_artifact / "manifest.json").read_text())["precisions"]
-    assert all(level["speedup"] > 0 for level in levels)
+    assert all(list(level["speedups"]) == ["1", "2", "8"] for level in levels)
     argv = ["run", str(llama_artifact), "--text", "the time of his", "--max-new-tokens", "3",
             "--weights", "auto"]
     for limit in (0.0, 10.0):
         allowed = [level for level in levels
-                   if level["decoder_quality_loss"] <= limit and level["speedup"] > 1]
-        expected = max(allowed, key=lambda level: level["speedup"])["level"] if allowed else "fp32"
+                   if level["decoder_quality_loss"] <= limit and level["speedups"]["1"] > 1]
+        expected = (max(allowed, key=lambda level: level["speedups"]["1"])["level"] if allowed
+                    else "fp32")
         assert main(argv + ["--max-quality-loss", str(limit)]) == 0
         assert f"--weights auto: {expected}" in capsys.readouterr().err
 

@@ -134,7 +134,8 @@ def _print_plans(manifest: dict) -> None:
               f"FLOPs, quality loss {loss(plan, FORWARD)}{decoder}")
     for level in manifest.get("precisions", []):   # measured weight precisions (--weights)
         heldout = level["heldout"]
-        speed = f", decode step {level['speedup']:.2f}x fp32" if "speedup" in level else ""
+        timed = [f"{speedup:.2f}x at {rows}" for rows, speedup in level.get("speedups", {}).items()]
+        speed = f", decode step vs fp32: {', '.join(timed)} rows" if timed else ""
         print(f"  {level['level']} weights: perplexity {heldout['perplexity']:.2f}, top-1 "
               f"agreement {heldout['top1_agreement']:.1%}, quality loss "
               f"{level['decoder_quality_loss']:.3f}{speed}")

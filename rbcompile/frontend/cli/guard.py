@@ -55,7 +55,9 @@ def _use_executor(model, executor: str, weights: str, guard) -> str:
         loss = "unmeasured" if measured is None else (
             f"quality loss {measured.decoder_quality_loss:.3f} measured")
         if measured is not None and measured.speedup is not None:
-            loss += f", decode step {measured.speedup:.2f}x fp32"
+            loss += f", decode step {measured.speedup:.2f}x fp32 at batch 1"
+            if measured.fp32_from_rows is not None:
+                loss += f"; steps of {measured.fp32_from_rows}+ rows run fp32, no faster there"
         print(f"rbcompile: {'--weights auto: ' if asked != weights else ''}{weights} weights "
               f"({loss}) on {chosen}", file=sys.stderr)
     return chosen
