@@ -149,10 +149,12 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
         decoder.step_executor = StepExecutor(module_weights(decoder.module), compiled.hf_config,
                                              decoder.mlp_layers(), threads=threads)
     decoder.executor = decoder.step_executor
-    decoder.executor.prepack = weights == "fp32"
     decoder.precision = level_precision(weights, decoder.executor.linear_weights())
     decoder.weights = weights
     measured = stored_precisions(compiled.manifest).get(weights)
     decoder.executor.full_precision_rows = measured and measured.fp32_from_rows
+    # the full path decodes too where it runs the level's larger steps: prepacked then
+    decoder.executor.prepack = (weights == "fp32"
+                                or decoder.executor.full_precision_rows is not None)
     return executor
 

@@ -55,7 +55,11 @@ class StepExecutor:
         self.shape = StepShape.from_config(config)
         self.mlp_gates = mlp_gates        # gate index -> layer whose MLP branch it turns off
         self.threads, self.max_sessions = threads, max_sessions
-        self._prepack = prepack
+        # whether the full path's graph holds its own prepacked copy of the fp32 weights: its
+        # GEMVs are faster than on the weights bound by pointer (docs/executor.md), for one more
+        # copy of them in memory. Off where a lower level decodes and the full path only
+        # prefills; a graph built either way is kept, so switching levels builds nothing again
+        self.prepack = prepack
         # steps of at least this many tokens per row (prefills) run the fp32 weights: int8 /
         # int4 MatMulNBits is slower than fp32 on GEMMs (benchmarks/bench_precision.py); None:
         # every step at the given precision (what calibration measures)
@@ -78,19 +82,6 @@ class StepExecutor:
         # binding -> where its cache inputs / outputs point (rebound when they move)
         self._cache_bound: dict[object, tuple] = {}
         self._pages_released = False   # the mapped fp32 weights, once prepacked
-
-    @property
-    def prepack(self) -> bool:
-        """Whether the full path's graph (every step of lossless decoding) holds its own
-        prepacked copy of the fp32 weights: its GEMVs are faster than on the weights bound by
-        pointer (docs/executor.md), for one more copy of them in memory. Off while decoding at
-        a lower precision, whose prefills are the full path's only use; a graph built either
-        way is kept, so switching levels back and forth builds nothing again."""
-        return self._prepack
-
-    @prepack.setter
-    def prepack(self, value: bool) -> None:
-        self._prepack = value
 
     # ---- variants -----------------------------------------------------------------------
 

@@ -128,7 +128,7 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...],
 
     measure = DecoderQuality(compiled, batches)
     decoder = compiled.decoder
-    previous = decoder.executor, decoder.precision, decoder.weights
+    previous = None if decoder.executor is None else decoder.weights   # None: torch
     try:
         speedups = level_speedups(compiled, batches, levels)
         for level, pairs in speedups.items():
@@ -140,9 +140,10 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...],
     finally:
         if decoder.step_executor is not None:
             decoder.step_executor.full_precision_from = FULL_PRECISION_FROM
-            decoder.step_executor.full_precision_rows = None
-            decoder.step_executor.prepack = previous[2] == "fp32"
-        decoder.executor, decoder.precision, decoder.weights = previous
+        if previous is None:
+            compiled.use_executor("torch")
+        else:
+            compiled.use_executor("onnxruntime", previous, decoder.step_executor.threads)
     return stored, plans
 
 

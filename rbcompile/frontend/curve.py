@@ -187,8 +187,15 @@ def plot(result: dict, title: str, path: Path) -> None:
                label=f"knee: budget {k['budget']:.2f}")
     if metric == "perplexity":
         ax.set_yscale("log")
-    ax.set_xlabel("measured speedup over the full path (x)")
-    ax.set_ylabel(metric)
+    save_plot(fig, ax, title, ("measured speedup over the full path (x)", metric), path)
+
+
+def save_plot(fig, ax, title: str, labels: tuple[str, str], path: Path) -> None:
+    """Axis labels (x, y), title, grid and legend on `ax`, then `fig` written to `path`."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -19,6 +19,7 @@ from rbcompile.artifact import quality
 from rbcompile.artifact.executors import WEIGHT_LEVELS, onnxruntime_reason, stored_precisions
 from rbcompile.artifact.plans import plan_for_budget
 from rbcompile.errors import UserError
+from rbcompile.frontend.curve import save_plot
 from rbcompile.progress import say
 
 # Deferred on purpose: matplotlib (optional) loads only to draw a plot.
@@ -181,11 +182,5 @@ def plot(points: list[DecodePoint], title: str, path: Path) -> None:
             ax.annotate(f"{p.budget:g}", (p.speedup, p.perplexity), fontsize=7,
                         textcoords="offset points", xytext=(4, 3))
     ax.set_yscale("log")
-    ax.set_xlabel("decode step speedup over the fp32 full path (x, batch 1)")
-    ax.set_ylabel("held-out perplexity")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, title, ("decode step speedup over the fp32 full path (x, batch 1)",
+                               "held-out perplexity"), path)
