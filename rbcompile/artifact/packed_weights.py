@@ -46,11 +46,13 @@ def packed_file(level: str) -> str:
 def unmeasure(manifest: dict) -> None:
     """Calibration measured the weights before packing changed them: every plan but the full
     path becomes unmeasured (lossless-only unless the user opts in), the measured precision
-    levels are dropped."""
+    levels and each plan's losses at them are dropped."""
     manifest.pop("precisions", None)
     if manifest.get("plans"):
         manifest["plans"] = [plan if plan["budget"] == 0 else
-                             {**plan, "quality_loss": None, "decoder_quality_loss": None}
+                             {**{key: value for key, value in plan.items()
+                                 if key != "precision_losses"},
+                              "quality_loss": None, "decoder_quality_loss": None}
                              for plan in manifest["plans"]]
 
 

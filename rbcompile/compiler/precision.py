@@ -38,12 +38,19 @@ def timing_prompt(compiled, batches) -> tuple[torch.Tensor, int]:
     return batches[0][0][:1, :min(PROMPT_TOKENS, compiled.max_positions - steps)], steps
 
 
+def run_at_level(compiled, level: str) -> None:
+    """Every decode step and prefill at `level` (what measuring a level needs): the executor
+    at that level without its fallbacks to fp32 for prefills and larger batches."""
+    compiled.use_executor("onnxruntime", level)
+    compiled.decoder.executor.full_precision_from = None
+    compiled.decoder.executor.full_precision_rows = None
+
+
 def decode_step_seconds(compiled, level: str, gates, prompt: torch.Tensor, steps: int) -> float:
     """The median time of `steps` greedy decode steps with every step's linears at `level` and
     decoder `gates` (None: all on), after prefilling `prompt` [B, P] (not counted)."""
     decoder, shape = compiled.decoder, compiled.decoder.shape
-    compiled.use_executor("onnxruntime", level)
-    decoder.executor.full_precision_rows = None
+    run_at_level(compiled, level)
     gates = None if gates is None else list(gates)
     rows, tokens = prompt.shape
     total = tokens + steps
@@ -105,10 +112,8 @@ class DecoderQuality:
 
     def at(self, level: str, gates=None) -> dict:
         """The held-out measures with every linear at `level` and the decoder's `gates`."""
+        run_at_level(self.compiled, level)
         decoder = self.compiled.decoder
-        self.compiled.use_executor("onnxruntime", level)
-        decoder.executor.full_precision_from = None   # every position at `level`
-        decoder.executor.full_precision_rows = None   # at every batch size
         return self.summary(lambda *step: decoder(*step, gates=gates))
 
 

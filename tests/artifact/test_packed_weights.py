@@ -115,9 +115,11 @@ def test_weights_changed_by_packing_leave_their_calibration_unmeasured():
 
     manifest = {"precisions": [{"level": "int4"}],
                 "plans": [{"budget": 0, "quality_loss": 0.0, "decoder_quality_loss": 0.0},
-                          {"budget": 0.1, "quality_loss": 0.02, "decoder_quality_loss": 0.03}]}
+                          {"budget": 0.1, "quality_loss": 0.02, "decoder_quality_loss": 0.03,
+                           "precision_losses": {"int4": 0.05}}]}
     kept = manifest["plans"][1]
     unmeasure(manifest)
     assert "precisions" not in manifest and kept["quality_loss"] == 0.02   # a copy changed
     assert [(p["quality_loss"], p["decoder_quality_loss"]) for p in manifest["plans"]] == [
         (0.0, 0.0), (None, None)]
+    assert "precision_losses" not in manifest["plans"][1]   # the pairs went with the levels

@@ -188,8 +188,7 @@ def _cmd_curve(args) -> None:
     with step(f"measuring {len(model.plans or [])} plans and the static baseline on "
               f"{args.data or 'the bundled Tempest excerpt'}"):
         result = sweep(model, data, classifier=classifier, rounds=args.rounds)
-    out = Path(args.output or f"{str(args.artifact).rstrip('/')}-curve")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _curve_folder(args)
     result["settings"] = {**settings, "data": args.data or "bundled Tempest excerpt",
                           "rounds": args.rounds, "classifier": args.classifier}
     (out / "curve.json").write_text(json.dumps(result, indent=1))
@@ -198,6 +197,15 @@ def _cmd_curve(args) -> None:
          out / "curve.png")
     print(format_table(result))
     print(f"wrote {out / 'curve.json'} and {out / 'curve.png'}")
+
+
+def _curve_folder(args):
+    """`curve -o`, default ARTIFACT-curve, made if missing."""
+    from pathlib import Path
+
+    out = Path(args.output or f"{str(args.artifact).rstrip('/')}-curve")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def _decode_curve(args, model, batches) -> None:
@@ -213,8 +221,7 @@ def _decode_curve(args, model, batches) -> None:
     data = args.data or "the bundled Tempest excerpt"
     with step(f"measuring weight levels x skip plans on {data}, decode steps at batch 1"):
         points = decode_curve.frontier(model, batches, rounds=args.rounds)
-    out = Path(args.output or f"{str(args.artifact).rstrip('/')}-curve")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _curve_folder(args)
     (out / "decode-curve.json").write_text(json.dumps(decode_curve.as_json(points), indent=1))
     name = Path(model.manifest["source"]["name"]).name
     decode_curve.plot(points, f"{name}: precision and skipping, decode steps",

@@ -42,10 +42,15 @@ def _use_executor(model, executor: str, weights: str, guard) -> str:
     weights are not fp32 or were chosen."""
     from rbcompile.artifact.executors import check_precision, resolve_weights, stored_precisions
 
-    asked, weights = weights, resolve_weights(model.manifest, weights, guard)
+    asked = weights
+    if executor != "torch":   # the torch executor runs fp32 only
+        weights = resolve_weights(model.manifest, weights, guard)
+    elif weights == "auto":
+        weights = "fp32"
     if asked != weights and weights == "fp32":
-        print("rbcompile: --weights auto: fp32 (no measured level is faster within the guard)",
-              file=sys.stderr)
+        why = ("the torch executor runs fp32 only" if executor == "torch" else
+               "no measured level is faster within the guard")
+        print(f"rbcompile: --weights auto: fp32 ({why})", file=sys.stderr)
     check_precision(model.manifest, weights, guard)
     if model.decoder is None:
         return "torch"
