@@ -30,6 +30,10 @@ from rbcompile.artifact.step_graph import (
 from rbcompile.kernels.int_weights import LEVELS, PackedWeight, quantize
 
 FULL_PRECISION_FROM = 32
+# steps of several rows and at least this many tokens (batched prefills) run row by row:
+# GroupQueryAttention then takes each row from its first kept token, where the batched
+# plain-ops attention scores every row over the whole cache (docs/executor.md, "Batched prefills")
+ROW_STEPS_FROM = 80
 EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -67,6 +71,7 @@ class StepExecutor:
         # steps of at least this many rows run the fp32 weights too: where the level measured
         # no faster than fp32 at compile (StoredPrecision.fp32_from_rows; None: every step)
         self.full_precision_rows: int | None = None
+        self.row_steps_from: int | None = ROW_STEPS_FROM   # None: batched steps stay batched
         self.qkv_bias = "model.layers.0.self_attn.q_proj.bias" in weights
         embedding = next(key for key in EMBEDDING_KEYS if key in weights)
         self.tensors = {key: tensor.detach().contiguous() for key, tensor in weights.items()}
@@ -151,6 +156,10 @@ class StepExecutor:
         start = int(cache_position[0])
         if attention_mask is None:  # an unpadded prefill: every slot is kept
             attention_mask = torch.ones(batch, start + tokens, dtype=torch.long)
+        if (batch > 1 and self.row_steps_from is not None and tokens >= self.row_steps_from
+                and all(tensor.is_contiguous() for tensor in cache)):
+            return torch.cat([self(*row, gates, precision) for row in _rows(
+                input_ids, attention_mask, position_ids, cache_position, logit_positions, cache)])
         fused = batch == 1 or tokens == 1   # what GroupQueryAttention's CPU kernel takes
         if ((self.full_precision_from is not None and tokens >= self.full_precision_from)
                 or (self.full_precision_rows is not None and batch >= self.full_precision_rows)):
@@ -194,6 +203,21 @@ class StepExecutor:
                 _bind(binding.bind_input, f"past_{kind}_{layer}", cache[index])
                 _bind(binding.bind_output, f"{stem}_{kind}_{layer}", written[index])
         self._cache_bound[binding] = where
+
+
+def _rows(input_ids, attention_mask, position_ids, cache_position, logit_positions, cache):
+    """A batched step's arguments per row, each row from its first kept token where every
+    logit position asked for is at or after it (left padding: the pads are not computed)."""
+    start, tokens = int(cache_position[0]), input_ids.shape[1]
+    for row in range(input_ids.shape[0]):
+        kept = attention_mask[row, start:start + tokens].nonzero()
+        first = int(kept[0]) if len(kept) else 0
+        if first > int(logit_positions.min()):
+            first = 0
+        positions = position_ids[row:row + 1] if len(position_ids) > 1 else position_ids
+        yield (input_ids[row:row + 1, first:], attention_mask[row:row + 1, :start + tokens],
+               positions[:, first:], cache_position[first:],
+               logit_positions - first, [tensor[row:row + 1] for tensor in cache])
 
 
 def sequence_logits(step, input_ids: torch.Tensor, attention_mask: torch.Tensor, kv_heads: int,

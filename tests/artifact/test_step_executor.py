@@ -9,6 +9,7 @@ import torch
 import rbcompile
 from rbcompile.artifact.executors import StoredPrecision, check_precision
 from rbcompile.artifact.guard import QualityGuard
+from rbcompile.artifact.step_executor import ROW_STEPS_FROM
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.kv_cache import step_inputs
 
@@ -42,7 +43,8 @@ def _both(model, gates=None):
         expected = decoder.__class__.__call__(_torch_only(decoder), ids, mask, positions,
                                               slots, logit_positions, caches[0], gates)
         got = executor(ids, mask, positions, slots, logit_positions, caches[1], gates)
-        assert (got - expected).abs().max() <= ATOL
+        asked = mask[:, slots[logit_positions]].bool()   # a pad query's logits mean nothing
+        assert (got - expected)[asked].abs().max() <= ATOL
         kept = mask[:, slots].bool()    # pad slots hold values no query reads
         for reference, written in zip(*caches):
             difference = (reference[:, :, slots] - written[:, :, slots]).abs().amax(dim=(1, 3))
@@ -79,6 +81,37 @@ def test_executor_steps_equal_the_torch_decoder(llama, gated):
     for start, count in ((0, 6), (6, 3), (9, 1)):   # one row: GroupQueryAttention, in place
         mask, positions, where = step_inputs(torch.tensor([0]), start, count, slots)
         run(one, ids[:1, :count], mask, positions, where, torch.arange(count))
+    model.use_executor("torch")
+
+
+@pytest.mark.parametrize("logit_positions", [[7], [0, 7]], ids=["last", "every-row-start"])
+def test_batched_prefills_run_row_by_row_from_each_rows_first_token(llama, logit_positions):
+    """Steps of several rows and `row_steps_from` tokens run one row at a time through the
+    fused attention graph, each from its first kept token (all of it where a logit is asked
+    for before that), with the torch decoder's logits and cache."""
+    from rbcompile.artifact.step_graph import StepVariant
+
+    model, _ = llama
+    model.use_executor("onnxruntime")
+    executor = model.decoder.executor
+    executor.sessions.clear()
+    executor.row_steps_from = 8
+    run, slots = _both(model), 16
+    caches = (_cache(model.decoder, 3, slots), _cache(model.decoder, 3, slots))
+    ids = torch.randint(3, 96, (3, 8), generator=torch.Generator().manual_seed(2))
+    mask, positions, where = step_inputs(torch.tensor([0, 5, 2]), 0, 8, slots)
+    calls = []
+    original = executor.__class__.__call__
+    executor.__class__.__call__ = lambda self, *args: calls.append(args[0].shape) or \
+        original(self, *args)
+    try:
+        run(caches, ids, mask, positions, where, torch.tensor(logit_positions))
+    finally:
+        executor.__class__.__call__ = original
+        executor.row_steps_from = ROW_STEPS_FROM
+    widths = [8, 3, 6] if logit_positions == [7] else [8, 8, 8]
+    assert calls == [(3, 8)] + [(1, width) for width in widths]
+    assert [variant.fused_attention for variant, _ in executor.sessions] == [True]
     model.use_executor("torch")
 
 
