@@ -63,8 +63,9 @@ WORKLOADS = ("continuation", "grounded", "technical")
 MODES = ("off", "ngram", "self", "auto")
 ENGINE_MODES = ("off", "ngram")
 # the onnxruntime step executor (rbcompile/artifact/executors.py): (weights, speculate) each
-EXECUTED = (("fp32", "off"), ("fp32", "ngram"), ("fp32", "auto"), ("int8", "off"),
-            ("int4", "off"), ("int4", "ngram"), ("int4-fp32", "off"), ("int4-fp32", "ngram"))
+EXECUTED = (("fp32", "off"), ("fp32", "ngram"), ("fp32", "quant"), ("fp32", "auto"),
+            ("int8", "off"), ("int4", "off"), ("int4", "ngram"), ("int4-fp32", "off"),
+            ("int4-fp32", "ngram"), ("int4-fp32", "quant"))
 ORT = {f"onnxruntime{'' if w == 'fp32' else ' ' + w} {m}": (w, m) for w, m in EXECUTED}
 CONTENDERS = ("HF generate", *(f"rbcompile {m}" for m in MODES), *ORT,
               *(f"engine {m}" for m in ENGINE_MODES), *PEERS)

@@ -14,6 +14,7 @@ or where the guard allows unmeasured plans.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -158,3 +159,17 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
                                 or decoder.executor.full_precision_rows is not None)
     return executor
 
+
+
+def level_step(compiled, level: str):
+    """The decoder's step at weight `level` whatever level it decodes at (what
+    `speculate="quant"` drafts with): the onnxruntime executor's, in fp32 from the batch size
+    where `level` measured no faster. Needs the executor in use and `level` measured."""
+    decoder = compiled.decoder
+    measured = stored_precisions(compiled.manifest).get(level)
+    if decoder is None or decoder.executor is None or measured is None:
+        raise UserError(f"a step at {level} needs the onnxruntime executor and {level} weights "
+                        f"measured at compile (--precisions)")
+    return partial(decoder.executor.run,
+                   precision=level_precision(level, decoder.executor.linear_weights()),
+                   fp32_from_rows=measured.fp32_from_rows)

@@ -41,11 +41,29 @@ def _session_options(threads: int | None):
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
+    if _shared_pool(threads):
+        options.use_per_session_threads = False
+    else:
+        options.intra_op_num_threads = threads or 0
+        options.inter_op_num_threads = 1
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
     return options
+
+
+def _shared_pool(threads: int | None) -> bool:
+    """Whether sessions of `threads` intra-op threads run on the process's one onnxruntime
+    thread pool, made by the first executor with its size. Sessions with pools of their own
+    spin on the cores while another session runs: a draft step then its verifying step took
+    21 + 66 ms instead of 12 + 30 (docs/executor.md, "One thread pool")."""
+    import onnxruntime
+
+    if not _POOL_THREADS:
+        onnxruntime.set_global_thread_pool_sizes(threads or 0, 1)
+        _POOL_THREADS.append(threads)
+    return _POOL_THREADS[0] == threads
+
+
+_POOL_THREADS: list[int | None] = []   # the shared pool's size, once made
 
 
 class StepExecutor:
@@ -152,17 +170,26 @@ class StepExecutor:
 
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, logit_positions,
                  cache, gates=None, precision: dict[str, str] | None = None) -> torch.Tensor:
+        """A step at `precision`, in fp32 from `full_precision_rows` rows (the decoding level's)."""
+        return self.run(input_ids, attention_mask, position_ids, cache_position, logit_positions,
+                        cache, gates, precision, self.full_precision_rows)
+
+    def run(self, input_ids, attention_mask, position_ids, cache_position, logit_positions,
+            cache, gates=None, precision: dict[str, str] | None = None,
+            fp32_from_rows: int | None = None) -> torch.Tensor:
+        """A step at `precision`, in fp32 from `fp32_from_rows` rows (None: at every batch size)
+        and from `full_precision_from` tokens per row."""
         batch, tokens = input_ids.shape
         start = int(cache_position[0])
         if attention_mask is None:  # an unpadded prefill: every slot is kept
             attention_mask = torch.ones(batch, start + tokens, dtype=torch.long)
         if (batch > 1 and self.row_steps_from is not None and tokens >= self.row_steps_from
                 and all(tensor.is_contiguous() for tensor in cache)):
-            return torch.cat([self(*row, gates, precision) for row in _rows(
+            return torch.cat([self.run(*row, gates, precision, fp32_from_rows) for row in _rows(
                 input_ids, attention_mask, position_ids, cache_position, logit_positions, cache)])
         fused = batch == 1 or tokens == 1   # what GroupQueryAttention's CPU kernel takes
         if ((self.full_precision_from is not None and tokens >= self.full_precision_from)
-                or (self.full_precision_rows is not None and batch >= self.full_precision_rows)):
+                or (fp32_from_rows is not None and batch >= fp32_from_rows)):
             precision = None
         variant = self.variant(gates, precision, fused)
         session, binding = self.session(variant)

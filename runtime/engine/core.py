@@ -52,13 +52,14 @@ class BatchEngine:
     its gates for a budget (None: the full path); `config` how it batches (`EngineConfig`).
     `release_cache(tensors)` hears of K/V tensors the engine no longer uses (the cache grew, or
     started over): the decoder's `forget_cache`; with a `cache_pool` its tensors come from the
-    pool and go back to it instead. `light`: the light path that 'self' drafts with."""
+    pool and go back to it instead. `light`: the light path that 'self' drafts with; `quant`:
+    the lower weight level that 'quant' drafts with."""
 
     def __init__(self, step: Callable, shape: DecoderShape, config: EngineConfig = EngineConfig(),
                  *, gates_for_budget: Callable, eos_token_ids=(), decode: Callable | None = None,
                  wake: threading.Condition | None = None, prefix_cache: PrefixCache | None = None,
                  release_cache: Callable | None = None, cache_pool: CachePool | None = None,
-                 light: LightDrafter | None = None):
+                 light: LightDrafter | None = None, quant: LightDrafter | None = None):
         self.config, self.max_batch = config, config.max_batch
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
@@ -71,7 +72,7 @@ class BatchEngine:
         self.chunked: ChunkedPrefill | None = None    # a long prompt being prefilled
         self.criteria: dict[EngineRequest, StopCriteria] = {}
         self.generators: dict[EngineRequest, torch.Generator | None] = {}
-        self.speculation = Speculation(config.draft_tokens, light)
+        self.speculation = Speculation(config.draft_tokens, light, quant)
         self.stats = EngineStats()
         self.budget: float | None = None   # for requests without their own (a controller's)
         self.controller = None             # runtime.decode_control.DecodeController, if any
@@ -377,11 +378,11 @@ class BatchEngine:
                 positions[:, None] + offsets + offset, cache.slots[start:start + width],
                 offsets, cache.views(rows))
 
-    def _light_forward(self, tokens: list[int], offset: int) -> torch.Tensor:
-        """The light path's logits [running rows, vocab] for one token per row, `offset`
+    def _light_forward(self, step: Callable, tokens: list[int], offset: int) -> torch.Tensor:
+        """A drafter's `step` logits [running rows, vocab] for one token per row, `offset`
         slots past the cache's length (speculation.Speculation drafts with it)."""
         inputs = self._step_inputs([[token] for token in tokens], offset)
-        return self.speculation.light.step(*inputs)[:self.cache.active, 0]
+        return step(*inputs)[:self.cache.active, 0]
 
     def _verify(self, logits: torch.Tensor, proposals: list[Proposal]) -> list[list[int]]:
         """Each row's tokens from the step's logits [rows, width, vocab] (`sampling.verify_rows`)."""

@@ -5,9 +5,9 @@
 occurrence. It costs a dict lookup per step and pays on input-grounded text (summaries,
 quotes, code edits, extraction), where the output repeats spans of the prompt.
 
-`LightDrafter` (self-speculation): the light path (a cheaper plan of the same artifact) drafts
-one token at a time on the batch's own cache; its approximate K/V are overwritten by the
-verifying full step.
+`LightDrafter` (self-speculation): the light path (a cheaper plan of the same artifact:
+skipped MLPs for 'self', lower-precision weights for 'quant') drafts one token at a time on the
+batch's own cache; its approximate K/V are overwritten by the verifying full step.
 
 The engine's speculation (speculation.py) asks them per row and step.
 """
@@ -62,17 +62,27 @@ class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
 
+def draft_speedup(acceptance: float, cost: float, drafts: int) -> float:
+    """Expected tokens per full step's time of drafting `drafts` tokens a step, each kept with
+    probability `acceptance` while the ones before it were, at `cost` per draft forward next to
+    a full step, with the verifying step costing one full step."""
+    kept = sum(acceptance ** index for index in range(1, drafts + 1))
+    return (1 + kept) / (drafts * cost + 1)
+
+
 @dataclass(frozen=True)
 class LightDrafter:
     """The light path as a drafter. `step`: the decoder step under the light plan's gates (the
     full step's interface); a row stops drafting when its top draft probability falls below
     `threshold` (adaptive draft length); `cost`: a light forward's cost next to a full one,
     which `auto` may lose before its first measurement (0 for a plan calibration measured to
-    pay); `in_auto`: whether `auto` tries it (not when calibration found that no plan pays)."""
+    pay); `in_auto`: whether `auto` tries it (not when calibration found that no plan pays);
+    `level`: the weight level a 'quant' drafter runs at."""
     step: Callable
     threshold: float = 0.5
     cost: float = 1.0
     in_auto: bool = True
+    level: str | None = None
 
     def propose(self, forward: Callable, pending: list[int], limits: dict[int, int],
                 samplings: list[SamplingConfig], generators: list) -> dict[int, Proposal]:
@@ -86,8 +96,9 @@ class LightDrafter:
             logits = forward(current, offset)
             for row in list(going):
                 sampling, proposal = samplings[row], proposals[row]
-                distribution = sampling.probabilities(logits[row])
-                if distribution.max() < self.threshold:
+                distribution = (sampling.probabilities(logits[row])
+                                if sampling.do_sample or self.threshold > 0 else None)
+                if distribution is not None and distribution.max() < self.threshold:
                     going.remove(row)
                     continue
                 if sampling.do_sample:

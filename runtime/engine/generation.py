@@ -28,14 +28,13 @@ from rbcompile.runtime.engine.core import BatchEngine
 from rbcompile.runtime.engine.drafters import LightDrafter
 from rbcompile.runtime.engine.kv_cache import power_of_two_at_least
 from rbcompile.runtime.engine.requests import (
-    SPECULATE_MODES,
     DraftGroup,
     EngineConfig,
     EngineRequest,
     GenerationStats,
 )
 from rbcompile.runtime.engine.sampling import SamplingConfig
-from rbcompile.runtime.engine.speculation import Speculation
+from rbcompile.runtime.engine.speculation import Speculation, check_mode
 from rbcompile.runtime.engine.stopping import check_lengths, check_stop
 
 
@@ -97,13 +96,15 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
            eos_token_ids=(), stop: list[str] | None = None, decode: Callable | None = None,
            speculate: str = "off", draft_step: Callable | None = None, draft_tokens: int = 4,
            draft_threshold: float = 0.5, draft_cost: float = 1.0,
+           quant: LightDrafter | None = None,
            cache_pool: CachePool | None = None, unpadded_prefill: bool = False) -> GenerationRun:
     """Generate from left-padded prompts `input_ids` [B, P] (or [P]); iterate the result for
     (row, token) as tokens are accepted, then call its `result()`. With a seed, row i samples
     with seed + i (its own generator, as a served request's choice i).
 
     `speculate`: 'off' (one token per step), 'ngram' (prompt lookup), 'self' (the light path
-    `draft_step`, same interface as `step`, drafts on the same cache), or 'auto' (per call,
+    `draft_step`, same interface as `step`, drafts on the same cache), 'quant' (the drafter
+    `quant`: the decoder at a lower weight level, on the same cache), or 'auto' (per call,
     whichever of those measures fastest). `draft_tokens`: at most this many drafts per step;
     `draft_threshold`: the light path stops drafting below this top probability; `draft_cost`:
     what a light-path forward costs next to a full one, for 'auto' (0 for a light plan that
@@ -115,11 +116,13 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
     a one-line `UserError` before anything runs."""
     prompt_ids, pads = check_prompts(input_ids, attention_mask)
     check_lengths(prompt_ids.shape[1], max_new_tokens, shape.max_positions)
-    _check_speculation(speculate, draft_step, draft_tokens)
+    light = None if draft_step is None else LightDrafter(draft_step, draft_threshold, draft_cost)
+    check_mode(speculate, light, quant)
+    if draft_tokens < 1:
+        raise UserError(f"draft_tokens must be >= 1, got {draft_tokens}")
     check_stop(stop, decode)
     prompts = [row[pad:] for row, pad in zip(prompt_ids.tolist(), pads.tolist())]
     rows, width = len(prompts), prompt_ids.shape[1]
-    light = None if draft_step is None else LightDrafter(draft_step, draft_threshold, draft_cost)
     buckets = cache_pool is not None
     max_batch = power_of_two_at_least(rows) if buckets else rows
     config = EngineConfig(max_batch=max_batch, prefill_tokens=rows * width, prefill_chunk=None,
@@ -128,8 +131,8 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
                           idle_cache_bytes=1 << 62)
     engine = BatchEngine(partial(_without_gates, step), shape, config,
                          gates_for_budget=lambda budget: None, eos_token_ids=eos_token_ids,
-                         decode=decode, cache_pool=cache_pool, light=light)
-    group = DraftGroup(Speculation(draft_tokens, light).policy(speculate))
+                         decode=decode, cache_pool=cache_pool, light=light, quant=quant)
+    group = DraftGroup(Speculation(draft_tokens, light, quant).policy(speculate))
     run = GenerationRun(engine, group.stats, prompts, decode)
     for index, prompt in enumerate(prompts):
         seeded = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + index)
@@ -176,12 +179,3 @@ def check_prompts(input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor
     if not torch.equal(mask, (torch.arange(input_ids.shape[1])[None] >= pads[:, None]).long()):
         raise UserError("attention_mask must be left padding: per row, 0s then 1s")
     return input_ids, pads
-
-
-def _check_speculation(speculate: str, draft_step, draft_tokens: int) -> None:
-    if speculate not in SPECULATE_MODES:
-        raise UserError(f"unknown speculate={speculate!r}; valid: {', '.join(SPECULATE_MODES)}")
-    if speculate == "self" and draft_step is None:
-        raise UserError("speculate='self' needs a draft_step (the light path)")
-    if draft_tokens < 1:
-        raise UserError(f"draft_tokens must be >= 1, got {draft_tokens}")

@@ -8,15 +8,20 @@ from functools import partial
 import torch
 
 from rbcompile.artifact.compiled import SELF_DRAFT_BUDGET, CompiledModel
+from rbcompile.artifact.executors import level_step, stored_precisions
 from rbcompile.artifact.loading import load_artifact
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.core import BatchEngine
-from rbcompile.runtime.engine.drafters import LightDrafter
+from rbcompile.runtime.engine.drafters import LightDrafter, draft_speedup
 from rbcompile.runtime.engine.generation import generate
 from rbcompile.runtime.engine.generation import stream as stream_tokens
 from rbcompile.runtime.engine.requests import EngineConfig
 from rbcompile.runtime.engine.sampling import SamplingConfig
 from rbcompile.runtime.engine.vote_sampling import generate_voted
+
+# a lower weight level's drafts agree with the full path's tokens where it is unsure too (on
+# SmolLM2 int8, 101 of 104 drafted at any confidence): it drafts to the step's limit
+QUANT_DRAFT_THRESHOLD = 0.0
 
 
 class Model(CompiledModel):
@@ -38,8 +43,9 @@ class Model(CompiledModel):
         `budget` runs the MLPs of that budget's plan (attention always runs: it writes the
         cache), under `guard` (its decoder's measured loss). `speculate`: "off", "ngram"
         (prompt lookup), "self" (drafts from the light path of `draft_budget`, verified by the
-        full path), "auto" (picks per request from live acceptance, off when drafting does not
-        pay). `draft_budget` defaults to the plan
+        full path), "quant" (drafts from the decoder at a lower weight level, `quant_drafter`;
+        needs the onnxruntime executor), "auto" (picks per request from live acceptance, off
+        when drafting does not pay). `draft_budget` defaults to the plan
         calibration chose (`decoder.draft`; "auto" leaves self-drafting out when calibration
         found that no plan pays), else SELF_DRAFT_BUDGET. Greedy output is the full path's
         token for token whatever the drafter; sampling keeps its distribution.
@@ -64,7 +70,8 @@ class Model(CompiledModel):
                                   budget=budget)
         gates = self.guarded_decoder_gates(budget)
         light = self.light_drafter(draft_budget) if speculate in ("self", "auto") else None
-        if speculate == "auto" and not light.in_auto:
+        quant = self.quant_drafter() if speculate in ("quant", "auto") else None
+        if speculate == "auto" and not light.in_auto and quant is None:
             speculate = "ngram"
         eos = self.hf_config.get("eos_token_id")
         run = stream_tokens if stream else generate
@@ -73,7 +80,7 @@ class Model(CompiledModel):
                    sampling=sampling, eos_token_ids=() if eos is None else eos, stop=stop,
                    decode=self.tokenizer.decode if stop else None, speculate=speculate,
                    draft_step=light and light.step, draft_cost=light.cost if light else 1.0,
-                   cache_pool=self.decoder.cache_pool,
+                   quant=quant, cache_pool=self.decoder.cache_pool,
                    unpadded_prefill=self.decoder.unpadded_prefill)
 
     def light_drafter(self, draft_budget: float | None = None) -> LightDrafter:
@@ -88,6 +95,29 @@ class Model(CompiledModel):
         gates = self.decoder_gates(SELF_DRAFT_BUDGET if draft_budget is None else draft_budget)
         cost = 0.0 if measured or gates is None else self.decoder.cost(gates)
         return LightDrafter(partial(self.decoder, gates=gates), cost=cost, in_auto=in_auto)
+
+    def quant_drafter(self, drafts: int = 4) -> LightDrafter | None:
+        """The drafter of `speculate="quant"`: the decoder at the lower weight level whose
+        measured batch-1 speedup and top-1 agreement (compile's `precisions`) promise the most
+        tokens per step time against the level it decodes at (`drafters.draft_speedup`). None
+        without the onnxruntime executor or a level that would pay."""
+        if self.decoder is None or self.decoder.executor is None:
+            return None
+        levels = stored_precisions(self.manifest)
+        decoding = levels.get(self.decoder.weights)
+        base = (decoding and decoding.speedup) or 1.0
+        best, best_speedup = None, 1.0
+        for level, measured in levels.items():
+            agreement = measured.heldout.get("top1_agreement")
+            if level == self.decoder.weights or not measured.speedup or agreement is None:
+                continue
+            speedup = draft_speedup(agreement, base / measured.speedup, drafts)
+            if speedup > best_speedup:
+                best, best_speedup = level, speedup
+        if best is None:
+            return None
+        return LightDrafter(level_step(self, best), threshold=QUANT_DRAFT_THRESHOLD,
+                            cost=base / levels[best].speedup, level=best)
 
     def batch_engine(self, max_batch: int = 16, **options):
         """A continuous-batching engine on the decoder (runtime/engine/core.py), for serving;
@@ -106,6 +136,7 @@ class Model(CompiledModel):
                            gates_for_budget=self.guarded_decoder_gates,
                            eos_token_ids=() if eos is None else eos, decode=decode,
                            release_cache=self.decoder.forget_cache, light=self.light_drafter(),
+                           quant=self.quant_drafter(),
                            **{k: v for k, v in options.items() if k not in names})
 
 

@@ -14,7 +14,7 @@ from rbcompile.runtime.engine.draft_policy import AutoPolicy, FixedPolicy
 from rbcompile.runtime.engine.sampling import SamplingConfig
 from rbcompile.runtime.engine.stopping import RowTokens
 
-SPECULATE_MODES = ("off", "ngram", "self", "auto")
+SPECULATE_MODES = ("off", "ngram", "self", "quant", "auto")
 
 
 @dataclass

@@ -18,19 +18,21 @@ from rbcompile.runtime.engine.requests import SPECULATE_MODES, DraftGroup, Engin
 
 class Speculation:
     """The drafters of an engine's rows. `light`: the light path, for 'self' (and 'auto');
-    `draft_tokens`: most drafts per row and step."""
+    `quant`: the decoder at a lower weight level, for 'quant' (and 'auto'); `draft_tokens`:
+    most drafts per row and step."""
 
-    def __init__(self, draft_tokens: int, light: LightDrafter | None = None):
-        self.draft_tokens, self.light = draft_tokens, light
+    def __init__(self, draft_tokens: int, light: LightDrafter | None = None,
+                 quant: LightDrafter | None = None):
+        self.draft_tokens, self.light, self.quant = draft_tokens, light, quant
         self.ngrams: dict[EngineRequest, NGramDrafter] = {}
+
+    def drafter(self, mode: str) -> LightDrafter | None:
+        """The forward-running drafter of `mode` ('self' or 'quant')."""
+        return self.light if mode == "self" else self.quant
 
     def check(self, request: EngineRequest) -> None:
         """A one-line UserError for a drafter this engine does not have."""
-        if request.speculate not in SPECULATE_MODES:
-            raise UserError(f"unknown speculate={request.speculate!r}; valid: "
-                            f"{', '.join(SPECULATE_MODES)}")
-        if request.speculate == "self" and self.light is None:
-            raise UserError("speculate='self' needs a draft_step (the light path)")
+        check_mode(request.speculate, self.light, self.quant)
 
     def start(self, request: EngineRequest) -> None:
         """`request` joins the queue: its draft group (its own unless it shares one) and, for
@@ -44,11 +46,13 @@ class Speculation:
         """The policy of a group of rows asking `speculate`."""
         if speculate != "auto":
             return FixedPolicy(speculate)
-        light = self.light if self.light is not None and self.light.in_auto else None
+        drafters = {mode: drafter for mode in ("self", "quant")
+                     if (drafter := self.drafter(mode)) is not None and drafter.in_auto}
         # before its first step a drafter may lose what it adds to a plain step: nothing for
-        # n-gram lookup, `draft_tokens` light-path forwards for self-drafting
-        return AutoPolicy(["off", "ngram", *(["self"] if light else [])],
-                          {"self": self.draft_tokens * light.cost} if light else {})
+        # n-gram lookup, `draft_tokens` forwards of a forward-running drafter
+        return AutoPolicy(["off", "ngram", *drafters],
+                          {mode: self.draft_tokens * drafter.cost
+                           for mode, drafter in drafters.items()})
 
     def extend(self, request: EngineRequest, token: int) -> None:
         if request in self.ngrams:
@@ -60,13 +64,13 @@ class Speculation:
     def propose(self, running: list[EngineRequest], limit: int, light_forward: Callable,
                 generators: list) -> list[Proposal]:
         """Each running row's drafts this step (none in 'off', or without a match): at most
-        `limit`, and one less than the tokens it has left. `light_forward(tokens, offset)`:
-        the light step over the batch (drafters.LightDrafter)."""
+        `limit`, and one less than the tokens it has left. `light_forward(step, tokens,
+        offset)`: a drafter's step over the batch (drafters.LightDrafter)."""
         groups = _groups(running)
         for group in groups:
             group.mode = group.policy.choose()
         proposals = [Proposal() for _ in running]
-        light_rows = {}
+        forward_rows: dict[str, dict[int, int]] = {}   # mode -> row -> most drafts
         for index, request in enumerate(running):
             left = min(limit, request.max_new_tokens - len(request.tokens) - 1)
             mode = request.drafting.mode
@@ -75,19 +79,19 @@ class Speculation:
             if mode == "ngram":
                 proposals[index].tokens = self.ngrams[request].propose(left)
             else:
-                light_rows[index] = left
-        if light_rows:
+                forward_rows.setdefault(mode, {})[index] = left
+        for mode, rows in forward_rows.items():
             calls = []
 
-            def counted(tokens, offset):
+            def counted(tokens, offset, step=self.drafter(mode).step):
                 calls.append(offset)
-                return light_forward(tokens, offset)
+                return light_forward(step, tokens, offset)
 
-            drafted = self.light.propose(counted, [r.tokens[-1] for r in running], light_rows,
-                                         [r.sampling for r in running], generators)
+            drafted = self.drafter(mode).propose(counted, [r.tokens[-1] for r in running], rows,
+                                                 [r.sampling for r in running], generators)
             for index, proposal in drafted.items():
                 proposals[index] = proposal
-            for group in _groups([running[index] for index in light_rows]):
+            for group in _groups([running[index] for index in rows]):
                 group.stats.forward_calls += len(calls)
         return proposals
 
@@ -114,6 +118,17 @@ class Speculation:
             group.stats.rows_per_step.append(rows)
             group.stats.record_step(group.mode, rows, drafted, kept)
             group.policy.record(group.mode, 1 + kept / rows, seconds, drafted / rows, kept / rows)
+
+
+def check_mode(speculate: str, light: LightDrafter | None, quant: LightDrafter | None) -> None:
+    """A one-line UserError for an unknown mode, or one whose drafter is missing."""
+    if speculate not in SPECULATE_MODES:
+        raise UserError(f"unknown speculate={speculate!r}; valid: {', '.join(SPECULATE_MODES)}")
+    if speculate == "self" and light is None:
+        raise UserError("speculate='self' needs a draft_step (the light path)")
+    if speculate == "quant" and quant is None:
+        raise UserError("speculate='quant' needs the onnxruntime executor and a lower weight "
+                        "level measured at compile that drafts faster than the level decoding")
 
 
 def _groups(requests: list[EngineRequest]) -> dict[DraftGroup, int]:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rbcompile.errors import check_unicode, first_line
 from rbcompile.runtime.control.admission import QOS_CLASSES
-from rbcompile.runtime.engine.generation import SPECULATE_MODES
+from rbcompile.runtime.engine.requests import SPECULATE_MODES
 
 RETRY_AFTER_S = 1   # what a 503 (overloaded) tells the client to wait
 

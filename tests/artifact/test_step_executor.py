@@ -101,13 +101,13 @@ def test_batched_prefills_run_row_by_row_from_each_rows_first_token(llama, logit
     ids = torch.randint(3, 96, (3, 8), generator=torch.Generator().manual_seed(2))
     mask, positions, where = step_inputs(torch.tensor([0, 5, 2]), 0, 8, slots)
     calls = []
-    original = executor.__class__.__call__
-    executor.__class__.__call__ = lambda self, *args: calls.append(args[0].shape) or \
+    original = executor.__class__.run
+    executor.__class__.run = lambda self, *args: calls.append(args[0].shape) or \
         original(self, *args)
     try:
         run(caches, ids, mask, positions, where, torch.tensor(logit_positions))
     finally:
-        executor.__class__.__call__ = original
+        executor.__class__.run = original
         executor.row_steps_from = ROW_STEPS_FROM
     widths = [8, 3, 6] if logit_positions == [7] else [8, 8, 8]
     assert calls == [(3, 8)] + [(1, width) for width in widths]
@@ -216,6 +216,42 @@ def test_precision_runs_only_within_the_guard(llama):
             model.manifest["precisions"] = saved
 
 
+def _measured(level: str, agreement: float, speedup: float) -> dict:
+    """A manifest's precision entry as compile would store it."""
+    return StoredPrecision(level, 0.05, {"top1_agreement": agreement},
+                           ((1, speedup), (8, 1.2))).to_json()
+
+
+def test_quant_drafts_at_the_level_that_pays_and_keeps_hf_greedy_tokens(llama):
+    """`speculate="quant"`: the measured level with the best expected speedup drafts (not the
+    one decoding), the full path verifies, the tokens are HF's; without the onnxruntime
+    executor or a measured level it is a one-line error."""
+    model, eager = llama
+    mask = (DECODER_PROMPTS != 0).long()
+    saved = model.manifest.get("precisions")
+    model.manifest["precisions"] = [_measured("int8", 0.99, 2.0), _measured("int4", 0.6, 2.2),
+                                    _measured("int4-fp32", 1.0, 0.9)]
+    try:
+        model.use_executor("onnxruntime")
+        drafter = model.quant_drafter()
+        assert drafter.level == "int8" and drafter.cost == pytest.approx(0.5)
+        result = model.generate(DECODER_PROMPTS, mask, max_new_tokens=10, speculate="quant")
+        assert result.tokens == hf_new_tokens(eager, DECODER_PROMPTS, mask, 10)
+        assert result.stats.drafted > 0 and result.stats.steps_by_mode == {
+            "quant": result.stats.decode_steps}
+        model.use_executor("onnxruntime", "int8")    # decoding at int8: nothing faster drafts
+        assert model.quant_drafter() is None
+        model.use_executor("torch")
+        with pytest.raises(UserError, match="speculate='quant' needs the onnxruntime executor"):
+            model.generate(DECODER_PROMPTS, mask, max_new_tokens=4, speculate="quant")
+    finally:
+        model.use_executor("torch")
+        if saved is None:
+            model.manifest.pop("precisions")
+        else:
+            model.manifest["precisions"] = saved
+
+
 @pytest.mark.real
 def test_smollm2_executor_reproduces_the_shipped_weights_and_hf_tokens():
     """Real weights: SmolLM2-135M (a GGUF of Q4_1 blocks and a Q8_0 head) cut to 4 layers:
@@ -253,6 +289,11 @@ def test_smollm2_executor_reproduces_the_shipped_weights_and_hf_tokens():
         assert model.generate(ids, mask, max_new_tokens=12).tokens == expected, level
         logits = sequence_logits(model.decoder, ids, mask, *dims)
         assert (logits - reference).abs().max() < 2e-5 * reference.abs().max(), level
+    # int8 drafts (as if compile had measured it), the fp32 full path verifies: HF's tokens
+    model.manifest["precisions"] = [_measured("int8", 0.95, 2.0)]
+    model.use_executor("onnxruntime", "fp32")
+    result = model.generate(ids, mask, max_new_tokens=12, speculate="quant")
+    assert result.tokens == expected and result.stats.accepted > 0
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "mistral"])

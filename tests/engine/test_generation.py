@@ -260,7 +260,7 @@ def test_stop_strings_cut_the_output(models):
     (dict(max_new_tokens=0), "max_new_tokens must be between 1 and the 61 positions left after the "
                              "3-token prompt (max positions 64), got 0"),
     (dict(max_new_tokens=62), "max_new_tokens must be between 1 and the 61 positions left"),
-    (dict(speculate="eagle"), "unknown speculate='eagle'; valid: off, ngram, self, auto"),
+    (dict(speculate="eagle"), "unknown speculate='eagle'; valid: off, ngram, self, quant, auto"),
     (dict(speculate="self"), "speculate='self' needs a draft_step (the light path)"),
     (dict(stop=["x"]), "stop strings need a decode function"),
     (dict(sampling_options=dict(do_sample=True, temperature=0)), "temperature must be > 0"),

@@ -160,9 +160,10 @@ def _add_run(sub) -> None:
                    help="inputs scoring below it take the light path, the rest the full path")
     p.add_argument("--max-new-tokens", type=int, default=20, help="decoders: tokens to generate "
                    "(clipped, with a warning line, to the positions the prompt leaves)")
-    p.add_argument("--speculate", choices=("off", "ngram", "self", "auto"), default="off",
+    p.add_argument("--speculate", choices=("off", "ngram", "self", "quant", "auto"), default="off",
                    help="decoders: lossless speculative decoding; ngram: drafts from the "
-                   "prompt's own n-grams; self: from the light path; auto: per request")
+                   "prompt's own n-grams; self: from the light path; quant: from a lower weight "
+                   "level (onnxruntime executor); auto: per request")
     p.add_argument("--temperature", type=float, help="decoders: sample at this temperature "
                    "(default: greedy)")
     p.add_argument("--top-k", type=int, help="decoders: sample from the k most likely tokens")
