@@ -330,7 +330,9 @@ class BatchEngine:
         self._check_s = 0.0
         config = self.config
         limit = min(config.draft_tokens, config.verify_tokens // self._step_rows(cache.active) - 1)
-        cache.reserve_step(1 + max(limit, 0))   # the light path drafts in the step's slots
+        reach = max((min(limit, r.draft_length) for r in self.running if r.speculate != "off"),
+                    default=0)
+        cache.reserve_step(1 + max(reach, 0))   # the light path drafts in the step's slots
         proposals = self.speculation.propose(self.running, limit, self._light_forward,
                                              [self.generators[r] for r in self.running])
         drafts = [proposal.tokens for proposal in proposals]

@@ -94,7 +94,7 @@ def _release_cache(engine: BatchEngine) -> None:
 def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShape,
            max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
            eos_token_ids=(), stop: list[str] | None = None, decode: Callable | None = None,
-           speculate: str = "off", draft_step: Callable | None = None, draft_tokens: int = 4,
+           speculate: str = "off", draft_step: Callable | None = None, draft_tokens: int = 10,
            draft_threshold: float = 0.5, draft_cost: float = 1.0,
            quant: LightDrafter | None = None,
            cache_pool: CachePool | None = None, unpadded_prefill: bool = False) -> GenerationRun:
@@ -105,7 +105,8 @@ def stream(step: Callable, input_ids, attention_mask=None, *, shape: DecoderShap
     `speculate`: 'off' (one token per step), 'ngram' (prompt lookup), 'self' (the light path
     `draft_step`, same interface as `step`, drafts on the same cache), 'quant' (the drafter
     `quant`: the decoder at a lower weight level, on the same cache), or 'auto' (per call,
-    whichever of those measures fastest). `draft_tokens`: at most this many drafts per step;
+    whichever of those measures fastest). `draft_tokens`: at most this many drafts per step
+    (a row drafts as many as its acceptance earns);
     `draft_threshold`: the light path stops drafting below this top probability; `draft_cost`:
     what a light-path forward costs next to a full one, for 'auto' (0 for a light plan that
     calibration measured to pay: its first step may run at once). `stop` strings need

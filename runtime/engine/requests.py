@@ -15,6 +15,7 @@ from rbcompile.runtime.engine.sampling import SamplingConfig
 from rbcompile.runtime.engine.stopping import RowTokens
 
 SPECULATE_MODES = ("off", "ngram", "self", "quant", "auto")
+FIRST_DRAFT_LENGTH = 4   # a row's drafts in its first speculative step (then: its acceptance)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class EngineRequest:
     first_logits: torch.Tensor | None = None  # [vocab]: what its first token was drawn from
     drafted: int = 0                # draft tokens verified (with `speculate`)
     accepted: int = 0               # of those, kept
+    draft_length: int = FIRST_DRAFT_LENGTH   # most drafts next step (Speculation.record)
     budget_run: float = 0.0         # the largest budget any forward it took part in ran
 
     @property
@@ -141,7 +143,8 @@ class EngineConfig:
     cache grows by this many slots; `prefill_tokens`: most padded tokens newcomers prefill in
     one forward (unless one prompt alone is longer); `prefill_chunk`: prompts longer than this
     are prefilled in chunks of it (None: never); `draft_tokens`: most drafts per speculating
-    row and step; `verify_tokens`: most tokens (rows x (1 + drafts)) a speculative step runs;
+    row and step (a row drafts as many as its acceptance earns, `Speculation.record`);
+    `verify_tokens`: most tokens (rows x (1 + drafts)) a speculative step runs;
     `batch_buckets`: a decode step runs the next power of two of rows (at most `max_batch`)
     and the cache grows to powers of two of blocks, so that CUDA graphs of the step are one per
     bucket and doubling; `unpadded_prefill`: the step takes the mask as None for a prefill
@@ -151,7 +154,7 @@ class EngineConfig:
     block: int = 64
     prefill_tokens: int = 2048
     prefill_chunk: int | None = 512
-    draft_tokens: int = 4
+    draft_tokens: int = 10
     verify_tokens: int = 64
     batch_buckets: bool = False
     unpadded_prefill: bool = False

@@ -13,7 +13,12 @@ from typing import Callable
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.draft_policy import AutoPolicy, FixedPolicy
 from rbcompile.runtime.engine.drafters import LightDrafter, NGramDrafter, Proposal
-from rbcompile.runtime.engine.requests import SPECULATE_MODES, DraftGroup, EngineRequest
+from rbcompile.runtime.engine.requests import (
+    FIRST_DRAFT_LENGTH,
+    SPECULATE_MODES,
+    DraftGroup,
+    EngineRequest,
+)
 
 
 class Speculation:
@@ -49,10 +54,10 @@ class Speculation:
         drafters = {mode: drafter for mode in ("self", "quant")
                      if (drafter := self.drafter(mode)) is not None and drafter.in_auto}
         # before its first step a drafter may lose what it adds to a plain step: nothing for
-        # n-gram lookup, `draft_tokens` forwards of a forward-running drafter
+        # n-gram lookup, a first step's forwards of a forward-running drafter
+        first = min(FIRST_DRAFT_LENGTH, self.draft_tokens)
         return AutoPolicy(["off", "ngram", *drafters],
-                          {mode: self.draft_tokens * drafter.cost
-                           for mode, drafter in drafters.items()})
+                          {mode: first * drafter.cost for mode, drafter in drafters.items()})
 
     def extend(self, request: EngineRequest, token: int) -> None:
         if request in self.ngrams:
@@ -72,7 +77,8 @@ class Speculation:
         proposals = [Proposal() for _ in running]
         forward_rows: dict[str, dict[int, int]] = {}   # mode -> row -> most drafts
         for index, request in enumerate(running):
-            left = min(limit, request.max_new_tokens - len(request.tokens) - 1)
+            left = min(limit, request.draft_length,
+                       request.max_new_tokens - len(request.tokens) - 1)
             mode = request.drafting.mode
             if left < 1 or mode == "off":
                 continue
@@ -102,13 +108,17 @@ class Speculation:
             group.stats.forward_calls += 1
             group.stats.rows_per_step.append(rows)
 
-    @staticmethod
-    def record(running: list[EngineRequest], proposals: list[Proposal],
+    def record(self, running: list[EngineRequest], proposals: list[Proposal],
                emitted: list[list[int]], seconds: float) -> None:
         """After a decode step of `seconds`: each group's counters and policy hear how many
-        drafts its rows verified and kept."""
+        drafts its rows verified and kept, and each row's draft length follows its acceptance
+        (`next_draft_length`)."""
         counts: dict[DraftGroup, list[int]] = {}
         for request, proposal, tokens in zip(running, proposals, emitted):
+            if proposal.tokens:
+                request.draft_length = next_draft_length(
+                    request.draft_length, len(proposal.tokens), len(tokens) - 1,
+                    self.draft_tokens)
             count = counts.setdefault(request.drafting, [0, 0, 0])
             count[0] += 1
             count[1] += len(proposal.tokens)
@@ -118,6 +128,14 @@ class Speculation:
             group.stats.rows_per_step.append(rows)
             group.stats.record_step(group.mode, rows, drafted, kept)
             group.policy.record(group.mode, 1 + kept / rows, seconds, drafted / rows, kept / rows)
+
+
+def next_draft_length(length: int, drafted: int, kept: int, most: int) -> int:
+    """A row's most drafts for its next step: twice as many (up to `most`) after a step that
+    kept all of `length` drafts, one past the kept ones after a rejection, else the same."""
+    if kept < drafted:
+        return max(1, kept + 1)
+    return min(most, 2 * length) if drafted >= length else length
 
 
 def check_mode(speculate: str, light: LightDrafter | None, quant: LightDrafter | None) -> None:

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from rbcompile.errors import UserError
-from rbcompile.runtime.engine.drafters import NGramDrafter
+from rbcompile.runtime.engine.drafters import NGramDrafter, draft_speedup
 from rbcompile.runtime.engine.sampling import SamplingConfig, verify
+from rbcompile.runtime.engine.speculation import next_draft_length
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [
@@ -98,3 +99,17 @@ def test_ngram_drafter_proposes_what_followed_the_latest_earlier_occurrence():
 def test_ngram_drafter_continues_a_loop_past_the_end():
     assert NGramDrafter([4, 7, 8, 7, 8]).propose(5) == [7, 8, 7, 8, 7]   # "7 8" ended at 3
     assert NGramDrafter([9, 9, 9]).propose(3) == [9, 9, 9]
+
+
+def test_a_rows_draft_length_follows_its_acceptance():
+    assert next_draft_length(4, 4, 4, 10) == 8      # all kept: twice as many
+    assert next_draft_length(8, 8, 8, 10) == 10     # up to the engine's most
+    assert next_draft_length(10, 10, 3, 10) == 4    # a rejection: one past the kept ones
+    assert next_draft_length(4, 4, 0, 10) == 1
+    assert next_draft_length(4, 2, 2, 10) == 4      # fewer asked (the row's end): no evidence
+
+
+def test_draft_speedup_prices_acceptance_against_draft_cost():
+    assert draft_speedup(1.0, 0.0, 4) == 5.0                     # free, always kept: 5 a step
+    assert draft_speedup(0.0, 0.5, 4) == pytest.approx(1 / 3)    # never kept: 3 steps' time
+    assert draft_speedup(0.95, 0.43, 4) > 1.5 > draft_speedup(0.6, 0.45, 4) * 1.5
