@@ -42,12 +42,13 @@ class NGramDrafter:
                     self._last_end[tuple(self.tokens[end - n:end])] = end
             self.tokens.append(int(token))
 
-    def propose(self, k: int) -> list[int]:
+    def propose(self, k: int, min_n: int | None = None) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
-        n-gram, copied with overlap (LZ77-style: a continuation that runs into the end of the
-        tokens goes on with its own start, so a loop is drafted `k` tokens ahead); [] when no
-        suffix occurred before."""
-        for n in range(min(self.max_n, len(self.tokens)), self.min_n - 1, -1):
+        n-gram (of at least `min_n` tokens, default the drafter's), copied with overlap
+        (LZ77-style: a continuation that runs into the end of the tokens goes on with its own
+        start, so a loop is drafted `k` tokens ahead); [] when no suffix occurred before."""
+        shortest = self.min_n if min_n is None else max(min_n, self.min_n)
+        for n in range(min(self.max_n, len(self.tokens)), shortest - 1, -1):
             end = self._last_end.get(tuple(self.tokens[-n:]))
             if end is not None:
                 period = len(self.tokens) - end

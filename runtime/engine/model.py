@@ -116,8 +116,9 @@ class Model(CompiledModel):
                 best, best_speedup = level, speedup
         if best is None:
             return None
-        return LightDrafter(level_step(self, best), threshold=QUANT_DRAFT_THRESHOLD,
-                            cost=base / levels[best].speedup, level=best)
+        # cost 0: its measurements promise it pays, so `auto` may try it at once
+        return LightDrafter(level_step(self, best), threshold=QUANT_DRAFT_THRESHOLD, cost=0.0,
+                            level=best)
 
     def batch_engine(self, max_batch: int = 16, **options):
         """A continuous-batching engine on the decoder (runtime/engine/core.py), for serving;

@@ -21,6 +21,11 @@ from rbcompile.runtime.engine.requests import (
 )
 
 
+# 'quant' rows copy an n-gram's continuation instead where the last this many tokens occurred
+# before (a shorter match drafts worse than the lower level does)
+QUANT_NGRAM_MIN = 2
+
+
 class Speculation:
     """The drafters of an engine's rows. `light`: the light path, for 'self' (and 'auto');
     `quant`: the decoder at a lower weight level, for 'quant' (and 'auto'); `draft_tokens`:
@@ -44,7 +49,7 @@ class Speculation:
         lookup, the n-gram index of its prompt."""
         if request.drafting is None:
             request.drafting = DraftGroup(self.policy(request.speculate))
-        if request.speculate in ("ngram", "auto"):
+        if request.speculate in ("ngram", "quant", "auto"):
             self.ngrams[request] = NGramDrafter(request.prompt)
 
     def policy(self, speculate: str) -> FixedPolicy | AutoPolicy:
@@ -84,6 +89,9 @@ class Speculation:
                 continue
             if mode == "ngram":
                 proposals[index].tokens = self.ngrams[request].propose(left)
+            elif mode == "quant" and request in self.ngrams and \
+                    (copied := self.ngrams[request].propose(left, QUANT_NGRAM_MIN)):
+                proposals[index].tokens = copied   # a repeat: copying it costs no forward
             else:
                 forward_rows.setdefault(mode, {})[index] = left
         for mode, rows in forward_rows.items():

@@ -234,7 +234,7 @@ def test_quant_drafts_at_the_level_that_pays_and_keeps_hf_greedy_tokens(llama):
     try:
         model.use_executor("onnxruntime")
         drafter = model.quant_drafter()
-        assert drafter.level == "int8" and drafter.cost == pytest.approx(0.5)
+        assert drafter.level == "int8" and drafter.cost == 0    # promised: auto tries it
         result = model.generate(DECODER_PROMPTS, mask, max_new_tokens=10, speculate="quant")
         assert result.tokens == hf_new_tokens(eager, DECODER_PROMPTS, mask, 10)
         assert result.stats.drafted > 0 and result.stats.steps_by_mode == {

@@ -113,3 +113,31 @@ def test_draft_speedup_prices_acceptance_against_draft_cost():
     assert draft_speedup(1.0, 0.0, 4) == 5.0                     # free, always kept: 5 a step
     assert draft_speedup(0.0, 0.5, 4) == pytest.approx(1 / 3)    # never kept: 3 steps' time
     assert draft_speedup(0.95, 0.43, 4) > 1.5 > draft_speedup(0.6, 0.45, 4) * 1.5
+
+
+def test_quant_rows_copy_a_repeat_and_draft_the_rest_at_the_lower_level():
+    """'quant' rows whose last two tokens occurred before take the n-gram's continuation (no
+    drafter forward); the others draft with the lower-level step."""
+    from rbcompile.runtime.engine.drafters import LightDrafter
+    from rbcompile.runtime.engine.requests import EngineRequest
+    from rbcompile.runtime.engine.speculation import Speculation
+
+    calls = []
+
+    def forward(step, tokens, offset):
+        calls.append(list(tokens))
+        logits = torch.zeros(len(tokens), 50)
+        logits[:, 7] = 1.0
+        return logits
+
+    speculation = Speculation(4, quant=LightDrafter(step=None, threshold=0.0, level="int8"))
+    repeat = EngineRequest([1, 2, 3, 4, 1], 16, speculate="quant")
+    fresh = EngineRequest([10, 11, 12, 13, 14], 16, speculate="quant")
+    for request, first in ((repeat, 2), (fresh, 15)):     # the prefill gave their first token
+        speculation.start(request)
+        request.row.tokens.append(first)
+        speculation.extend(request, first)
+    proposals = speculation.propose([repeat, fresh], 4, forward, [None, None])
+    assert proposals[0].tokens == [3, 4, 1, 2]      # "1 2" occurred before: what followed it
+    assert proposals[1].tokens == [7, 7, 7, 7]      # the lower level's argmax, 4 forwards
+    assert calls == [[2, 15], [2, 7], [2, 7], [2, 7]]   # the batch's rows, the fresh one drafting
