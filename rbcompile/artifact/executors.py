@@ -160,7 +160,6 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
     return executor
 
 
-
 def level_step(compiled, level: str):
     """The decoder's step at weight `level` whatever level it decodes at (what
     `speculate="quant"` drafts with): the onnxruntime executor's, in fp32 from the batch size

@@ -53,8 +53,8 @@ def _session_options(threads: int | None):
 def _shared_pool(threads: int | None) -> bool:
     """Whether sessions of `threads` intra-op threads run on the process's one onnxruntime
     thread pool, made by the first executor with its size. Sessions with pools of their own
-    spin on the cores while another session runs: a draft step then its verifying step took
-    21 + 66 ms instead of 12 + 30 (docs/executor.md, "One thread pool")."""
+    spin on the cores while another session runs, which slows it (a verifying step after
+    drafts: docs/executor.md, "One thread pool")."""
     import onnxruntime
 
     if not _POOL_THREADS:

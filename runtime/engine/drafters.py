@@ -63,6 +63,7 @@ class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
 
+
 def draft_speedup(acceptance: float, cost: float, drafts: int) -> float:
     """Expected tokens per full step's time of drafting `drafts` tokens a step, each kept with
     probability `acceptance` while the ones before it were, at `cost` per draft forward next to

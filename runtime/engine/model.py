@@ -15,12 +15,12 @@ from rbcompile.runtime.engine.core import BatchEngine
 from rbcompile.runtime.engine.drafters import LightDrafter, draft_speedup
 from rbcompile.runtime.engine.generation import generate
 from rbcompile.runtime.engine.generation import stream as stream_tokens
-from rbcompile.runtime.engine.requests import EngineConfig
+from rbcompile.runtime.engine.requests import FIRST_DRAFT_LENGTH, EngineConfig
 from rbcompile.runtime.engine.sampling import SamplingConfig
 from rbcompile.runtime.engine.vote_sampling import generate_voted
 
-# a lower weight level's drafts agree with the full path's tokens where it is unsure too (on
-# SmolLM2 int8, 101 of 104 drafted at any confidence): it drafts to the step's limit
+# a lower weight level's drafts agree with the full path's where it is unsure too, so it drafts
+# to the step's limit (docs/executor.md, "One thread pool, and quantized drafts")
 QUANT_DRAFT_THRESHOLD = 0.0
 
 
@@ -96,7 +96,7 @@ class Model(CompiledModel):
         cost = 0.0 if measured or gates is None else self.decoder.cost(gates)
         return LightDrafter(partial(self.decoder, gates=gates), cost=cost, in_auto=in_auto)
 
-    def quant_drafter(self, drafts: int = 4) -> LightDrafter | None:
+    def quant_drafter(self, drafts: int = FIRST_DRAFT_LENGTH) -> LightDrafter | None:
         """The drafter of `speculate="quant"`: the decoder at the lower weight level whose
         measured batch-1 speedup and top-1 agreement (compile's `precisions`) promise the most
         tokens per step time against the level it decodes at (`drafters.draft_speedup`). None

@@ -20,7 +20,6 @@ from rbcompile.runtime.engine.requests import (
     EngineRequest,
 )
 
-
 # 'quant' rows copy an n-gram's continuation instead where the last this many tokens occurred
 # before (a shorter match drafts worse than the lower level does)
 QUANT_NGRAM_MIN = 2

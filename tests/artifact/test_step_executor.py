@@ -5,6 +5,7 @@ rules (artifact/executors.py), and on real SmolLM2 weights the int4 level reprod
 shipped 4-bit values."""
 import pytest
 import torch
+from shared import DECODER_PROMPTS, hf_new_tokens
 
 import rbcompile
 from rbcompile.artifact.executors import StoredPrecision, check_precision
@@ -12,8 +13,6 @@ from rbcompile.artifact.guard import QualityGuard
 from rbcompile.artifact.step_executor import ROW_STEPS_FROM
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.kv_cache import step_inputs
-
-from shared import DECODER_PROMPTS, hf_new_tokens
 
 # The executor sums in another order than torch: its logits agree to fp32 rounding of the
 # tiny model's (|logits| ~ 1), not bit for bit; the torch executor stays the reference.
@@ -89,7 +88,6 @@ def test_batched_prefills_run_row_by_row_from_each_rows_first_token(llama, logit
     """Steps of several rows and `row_steps_from` tokens run one row at a time through the
     fused attention graph, each from its first kept token (all of it where a logit is asked
     for before that), with the torch decoder's logits and cache."""
-    from rbcompile.artifact.step_graph import StepVariant
 
     model, _ = llama
     model.use_executor("onnxruntime")
