@@ -50,6 +50,7 @@ from common import pin_threads, print_table, write_json  # noqa: E402
 from peers import PEER_TARGETS, PEERS, peer_contenders, until_eos  # noqa: E402
 
 import rbcompile  # noqa: E402
+from rbcompile.artifact.ort_threads import share_threads  # noqa: E402
 from rbcompile.runtime.engine.core import EngineRequest  # noqa: E402
 from rbcompile.artifact.models import load_hf_model, resolve_checkpoint  # noqa: E402
 from rbcompile.artifact.placement import parse_dtype  # noqa: E402
@@ -420,6 +421,7 @@ def main() -> None:
     if args.samples < 1 or args.rounds < 1 or args.new_tokens < 1 or min(args.batches) < 1:
         parser.error("--samples, --rounds, --new-tokens and --batches must be >= 1")
     pin_threads(args.threads)
+    share_threads(args.threads)   # the executor's sessions take turns on one pool
     load = {"start": _uptime()}
     say(f"load average at start: {load['start']}")
 

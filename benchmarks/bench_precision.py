@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 sys.path.insert(0, str(Path(__file__).parent))
 from common import pin_threads, print_table, write_json  # noqa: E402
 
+from rbcompile.artifact.ort_threads import session_options  # noqa: E402
 from rbcompile.artifact.step_graph import MS_DOMAIN, OPSET, StepShape, StepVariant, _Builder  # noqa: E402
 from rbcompile.kernels.int_weights import quantize  # noqa: E402
 
@@ -56,10 +57,8 @@ def _session(weight: torch.Tensor, level: str, threads: int):
                              for name, value in {**builder.initializers, **builder.weight_inputs}.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(MS_DOMAIN, 1)])
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     # idle sessions must not spin: there is one per weight copy (a decoder has one session)
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options = session_options(threads, spinning=False)
     session = onnxruntime.InferenceSession(model.SerializeToString(), options,
                                            providers=["CPUExecutionProvider"])
     return lambda x: torch.from_numpy(session.run(None, {"x": x[None].numpy()})[0][0])

@@ -18,6 +18,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from rbcompile.artifact.ort_threads import session_options
 from rbcompile.artifact.packed_weights import linear_keys
 from rbcompile.artifact.page_release import release_file_pages
 from rbcompile.artifact.step_graph import (
@@ -40,30 +41,9 @@ EMBEDDING_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 def _session_options(threads: int | None):
     import onnxruntime
 
-    options = onnxruntime.SessionOptions()
-    if _shared_pool(threads):
-        options.use_per_session_threads = False
-    else:
-        options.intra_op_num_threads = threads or 0
-        options.inter_op_num_threads = 1
+    options = session_options(threads)
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
     return options
-
-
-def _shared_pool(threads: int | None) -> bool:
-    """Whether sessions of `threads` intra-op threads run on the process's one onnxruntime
-    thread pool, made by the first executor with its size. Sessions with pools of their own
-    spin on the cores while another session runs, which slows it (a verifying step after
-    drafts: docs/executor.md, "One thread pool")."""
-    import onnxruntime
-
-    if not _POOL_THREADS:
-        onnxruntime.set_global_thread_pool_sizes(threads or 0, 1)
-        _POOL_THREADS.append(threads)
-    return _POOL_THREADS[0] == threads
-
-
-_POOL_THREADS: list[int | None] = []   # the shared pool's size, once made
 
 
 class StepExecutor:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rbcompile.artifact.ort_threads import session_options as ort_session_options
 from rbcompile.errors import first_line
 
 # Deferred on purpose: torch, onnx, onnxruntime and the compiler load inside the functions;
@@ -265,7 +266,8 @@ def _check(model_path: str, cases: Path) -> dict:
         onnx.checker.check_model(model_path, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         return failed(f"onnx.checker: {first_line(exc)}")
-    session = onnxruntime.InferenceSession(model_path, providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(model_path, session_options(),
+                                           providers=["CPUExecutionProvider"])
     inputs = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]
     if inputs != list(INPUT_NAMES) or outputs != spec["outputs"]:
@@ -341,14 +343,9 @@ def export_onnx(compiled, path, *, opset: int = 20, dynamic: bool = True,
 
 def session_options(threads: int | None = None):
     """onnxruntime options: `threads` intra-op threads (None: one per core) that sleep when idle
-    instead of spinning, so that torch work between runs keeps its cores."""
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return options
+    instead of spinning, so that torch work between runs keeps its cores (the process's shared
+    pool where it has one: artifact/ort_threads.py)."""
+    return ort_session_options(threads, spinning=False)
 
 
 class OnnxRunner:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from rbcompile.artifact.ort_threads import session_options
 from rbcompile.artifact.step_graph import (
     ACCURACY_LEVELS,
     MS_DOMAIN,
@@ -37,7 +38,7 @@ def _graph_linear(packed, x: torch.Tensor, level: str) -> torch.Tensor:
             for name, value in builder.initializers.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
                                                     helper.make_opsetid(MS_DOMAIN, 1)])
-    session = onnxruntime.InferenceSession(model.SerializeToString(),
+    session = onnxruntime.InferenceSession(model.SerializeToString(), session_options(),
                                            providers=["CPUExecutionProvider"])
     return torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
 

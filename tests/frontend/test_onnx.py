@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rbcompile
+from rbcompile.artifact.ort_threads import session_options
 from rbcompile.frontend import onnx_export
 from rbcompile.frontend.cli import main
 from rbcompile.frontend.onnx_export import (
@@ -116,7 +117,7 @@ def _executed_kernels(path, feeds, gate_settings) -> list[int]:
     """Node kernels onnxruntime's profiler records per run (subgraph nodes included)."""
     import onnxruntime
 
-    options = onnxruntime.SessionOptions()
+    options = session_options()
     options.enable_profiling = True
     options.profile_file_prefix = str(path.parent / "profile")
     session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

@@ -41,6 +41,7 @@ def _use_executor(model, executor: str, weights: str, guard) -> str:
     by executors.resolve_weights), which must be within `guard`; one line on stderr where the
     weights are not fp32 or were chosen."""
     from rbcompile.artifact.executors import check_precision, resolve_weights, stored_precisions
+    from rbcompile.artifact.ort_threads import share_threads
 
     asked = weights
     if executor != "torch":   # the torch executor runs fp32 only
@@ -54,6 +55,8 @@ def _use_executor(model, executor: str, weights: str, guard) -> str:
     check_precision(model.manifest, weights, guard)
     if model.decoder is None:
         return "torch"
+    if executor != "torch":   # this process owns its sessions: one thread pool for them all
+        share_threads()
     chosen = model.use_executor(executor, weights)
     if weights != "fp32":
         measured = stored_precisions(model.manifest).get(weights)
