@@ -25,6 +25,12 @@ from rbcompile.runtime.engine.requests import (
 QUANT_NGRAM_MIN = 2
 
 
+# 'auto' drafts only while the batch runs at most this many rows: a draft widens the step for
+# every row, and from 4 concurrent streams drafting lost to plain steps with every drafter
+# (benchmarks/bench_drafting_load.py, docs/executor.md "Drafting under load")
+AUTO_DRAFT_ROWS = 2
+
+
 class Speculation:
     """The drafters of an engine's rows. `light`: the light path, for 'self' (and 'auto');
     `quant`: the decoder at a lower weight level, for 'quant' (and 'auto'); `draft_tokens`:
@@ -76,8 +82,10 @@ class Speculation:
         `limit`, and one less than the tokens it has left. `light_forward(step, tokens,
         offset)`: a drafter's step over the batch (drafters.LightDrafter)."""
         groups = _groups(running)
+        crowded = len(running) > AUTO_DRAFT_ROWS
         for group in groups:
-            group.mode = group.policy.choose()
+            auto = isinstance(group.policy, AutoPolicy)
+            group.mode = "off" if auto and crowded else group.policy.choose()
         proposals = [Proposal() for _ in running]
         forward_rows: dict[str, dict[int, int]] = {}   # mode -> row -> most drafts
         for index, request in enumerate(running):
@@ -134,7 +142,9 @@ class Speculation:
             group.stats.forward_calls += 1
             group.stats.rows_per_step.append(rows)
             group.stats.record_step(group.mode, rows, drafted, kept)
-            group.policy.record(group.mode, 1 + kept / rows, seconds, drafted / rows, kept / rows)
+            if not (isinstance(group.policy, AutoPolicy) and len(running) > AUTO_DRAFT_ROWS):
+                group.policy.record(group.mode, 1 + kept / rows, seconds, drafted / rows,
+                                    kept / rows)
 
 
 def next_draft_length(length: int, drafted: int, kept: int, most: int) -> int:

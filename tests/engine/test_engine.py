@@ -459,3 +459,18 @@ def test_a_grown_cache_takes_the_graphs_that_read_it_along(compiled_tiny):
         assert first() is None
     finally:
         compiled.use_cuda_graphs(False)
+
+
+def test_auto_does_not_draft_in_a_crowded_batch(compiled_tiny):
+    """With more rows than AUTO_DRAFT_ROWS running, 'auto' rows take plain steps (a draft widens
+    the step for every row); rows that asked for a drafter still draft. Tokens stay their own."""
+    from rbcompile.runtime.engine.speculation import AUTO_DRAFT_ROWS
+
+    compiled = compiled_tiny["llama"][0]
+    rows = AUTO_DRAFT_ROWS + 1
+    for speculate, drafts in (("auto", False), ("ngram", True)):
+        engine = compiled.batch_engine(max_batch=rows)
+        requests = [EngineRequest(PROMPTS[0] * 2, 8, speculate=speculate) for _ in range(rows)]
+        drain(engine, requests, {0: requests})
+        assert (engine.stats.drafted > 0) == drafts, speculate
+        assert all(r.tokens == alone(compiled, r.prompt, 8) for r in requests)
