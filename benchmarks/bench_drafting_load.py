@@ -22,10 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_generate import continuation_prompt, technical_prompt  # noqa: E402
-from common import pin_threads, print_table, write_json  # noqa: E402
+from common import load_executed, print_table, write_json  # noqa: E402
 
-import rbcompile  # noqa: E402
-from rbcompile.artifact.ort_threads import share_threads  # noqa: E402
 from rbcompile.runtime.engine.core import EngineRequest  # noqa: E402
 
 
@@ -85,10 +83,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    pin_threads(args.threads)
-    share_threads(args.threads)   # the executor's sessions take turns on one pool
-    model = rbcompile.load(args.artifact)
-    model.use_executor("onnxruntime", "fp32", threads=args.threads)
+    model = load_executed(args.artifact, args.threads)
     serve_level(model, [prompts(model.tokenizer, 2, 99)] * 2, args.modes[-1], 8)   # warm-up
     rows = []
     for level, streams in enumerate(args.streams):

@@ -15,10 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_medians, pin_threads, print_table, write_json  # noqa: E402
+from common import interleaved_medians, load_executed, print_table, write_json  # noqa: E402
 
-import rbcompile  # noqa: E402
-from rbcompile.artifact.ort_threads import share_threads  # noqa: E402
 from rbcompile.artifact.step_executor import ROW_STEPS_FROM  # noqa: E402
 
 
@@ -47,10 +45,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    pin_threads(args.threads)
-    share_threads(args.threads)   # the executor's sessions take turns on one pool
-    model = rbcompile.load(args.artifact)
-    model.use_executor("onnxruntime", "fp32", threads=args.threads)
+    model = load_executed(args.artifact, args.threads)
     decoder, table = model.decoder, []
     for tokens in args.tokens:
         times = interleaved_medians(

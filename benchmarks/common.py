@@ -23,6 +23,19 @@ def pin_threads(threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
+def load_executed(artifact: str, threads: int):
+    """`artifact` loaded with its decoder on the onnxruntime executor at fp32, torch and
+    onnxruntime pinned to `threads` (onnxruntime's sessions on one shared pool)."""
+    import rbcompile
+    from rbcompile.artifact.ort_threads import share_threads
+
+    pin_threads(threads)
+    share_threads(threads)
+    model = rbcompile.load(artifact)
+    model.use_executor("onnxruntime", "fp32", threads=threads)
+    return model
+
+
 def load_with_eager(name: str):
     """(CompiledModel, eager transformers model) of an artifact folder or a bundled name
     (compiled here, without calibration). Every plan may run (rbcompile/artifact/guard.py): the

@@ -23,11 +23,6 @@ def share_threads(threads: int | None = None) -> None:
         _SHARED.append(threads)
 
 
-def shared() -> bool:
-    """Whether the process's sessions run on one global pool (`share_threads`)."""
-    return bool(_SHARED)
-
-
 def session_options(threads: int | None = None, *, spinning: bool = True):
     """Options for a session on the global pool where the process made one, else on a pool of
     `threads` intra-op threads (None: one per core) of its own, whose workers spin between ops
