@@ -29,7 +29,8 @@ from common import (interleaved_medians, load_with_eager, pin_threads, print_tab
                     text_windows, write_json)
 
 from rbcompile.artifact import quality  # noqa: E402
-from rbcompile.frontend.onnx_export import OnnxRunner, export_onnx, session_options  # noqa: E402
+from rbcompile.artifact.ort_threads import session_options  # noqa: E402
+from rbcompile.frontend.onnx_export import OnnxRunner, export_onnx  # noqa: E402
 from rbcompile.progress import say, step  # noqa: E402
 
 SHAPES = {"encoder": (8, 64), "decoder": (2, 128)}   # batch x tokens timed per family
@@ -58,7 +59,7 @@ def plain_onnx_session(eager, family: str, example, folder: Path, threads: int):
                                 dynamic_shapes={"input_ids": axes, "attention_mask": axes},
                                 verbose=False)
     program.save(str(path))
-    return onnxruntime.InferenceSession(str(path), session_options(threads),
+    return onnxruntime.InferenceSession(str(path), session_options(threads, spinning=False),
                                         providers=["CPUExecutionProvider"])
 
 

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rbcompile.artifact.ort_threads import session_options as ort_session_options
+from rbcompile.artifact.ort_threads import session_options
 from rbcompile.errors import first_line
 
 # Deferred on purpose: torch, onnx, onnxruntime and the compiler load inside the functions;
@@ -266,7 +266,7 @@ def _check(model_path: str, cases: Path) -> dict:
         onnx.checker.check_model(model_path, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         return failed(f"onnx.checker: {first_line(exc)}")
-    session = onnxruntime.InferenceSession(model_path, session_options(),
+    session = onnxruntime.InferenceSession(model_path, session_options(spinning=False),
                                            providers=["CPUExecutionProvider"])
     inputs = [i.name for i in session.get_inputs()]
     outputs = [o.name for o in session.get_outputs()]
@@ -341,13 +341,6 @@ def export_onnx(compiled, path, *, opset: int = 20, dynamic: bool = True,
     return report
 
 
-def session_options(threads: int | None = None):
-    """onnxruntime options: `threads` intra-op threads (None: one per core) that sleep when idle
-    instead of spinning, so that torch work between runs keeps its cores (the process's shared
-    pool where it has one: artifact/ort_threads.py)."""
-    return ort_session_options(threads, spinning=False)
-
-
 class OnnxRunner:
     """An exported .onnx run by onnxruntime, called like the CompiledModel it was exported from
     (same input checks, gate choice and CompiledOutput)."""
@@ -361,7 +354,9 @@ class OnnxRunner:
         if not path.is_file():
             raise UserError(f"no such ONNX file: {path}")
         try:
-            self.session = onnxruntime.InferenceSession(str(path), session_options(threads),
+            # idle workers sleep instead of spinning: torch work between runs keeps its cores
+            self.session = onnxruntime.InferenceSession(str(path),
+                                                        session_options(threads, spinning=False),
                                                         providers=["CPUExecutionProvider"])
         except Exception as exc:
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -82,10 +82,8 @@ class Speculation:
         `limit`, and one less than the tokens it has left. `light_forward(step, tokens,
         offset)`: a drafter's step over the batch (drafters.LightDrafter)."""
         groups = _groups(running)
-        crowded = len(running) > AUTO_DRAFT_ROWS
         for group in groups:
-            auto = isinstance(group.policy, AutoPolicy)
-            group.mode = "off" if auto and crowded else group.policy.choose()
+            group.mode = "off" if _crowded(group, running) else group.policy.choose()
         proposals = [Proposal() for _ in running]
         forward_rows: dict[str, dict[int, int]] = {}   # mode -> row -> most drafts
         for index, request in enumerate(running):
@@ -142,7 +140,7 @@ class Speculation:
             group.stats.forward_calls += 1
             group.stats.rows_per_step.append(rows)
             group.stats.record_step(group.mode, rows, drafted, kept)
-            if not (isinstance(group.policy, AutoPolicy) and len(running) > AUTO_DRAFT_ROWS):
+            if not _crowded(group, running):
                 group.policy.record(group.mode, 1 + kept / rows, seconds, drafted / rows,
                                     kept / rows)
 
@@ -164,6 +162,12 @@ def check_mode(speculate: str, light: LightDrafter | None, quant: LightDrafter |
     if speculate == "quant" and quant is None:
         raise UserError("speculate='quant' needs the onnxruntime executor and a lower weight "
                         "level measured at compile that drafts faster than the level decoding")
+
+
+def _crowded(group: DraftGroup, running: list[EngineRequest]) -> bool:
+    """Whether `group` picks by measurement ('auto') in a batch too large for drafting to pay
+    (AUTO_DRAFT_ROWS): it then takes plain steps, and its policy does not learn from them."""
+    return isinstance(group.policy, AutoPolicy) and len(running) > AUTO_DRAFT_ROWS
 
 
 def _groups(requests: list[EngineRequest]) -> dict[DraftGroup, int]:
