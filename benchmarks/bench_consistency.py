@@ -4,10 +4,14 @@ on the test split of benchmarks/data/consistency-questions.jsonl.
 
     python benchmarks/bench_consistency.py [build/smollm2-135m] [--limit N]
         [--contenders greedy-1 fixed-7 ...] [--weights fp32 int4]
+        [--tier-weights none auto 1=int4,3=int4,7=int4]
 
 --weights runs the contenders once per weight precision on the onnxruntime executor (issue 45:
 what a 7-sample vote costs and scores in int4 against fp32); the router's own accuracy is
-measured at the first level.
+measured at the first level. --tier-weights runs them once per tier setting instead, on the
+onnxruntime executor at fp32: each vote decodes at its tier's level (`VoteOptions.tier_weights`;
+'none': the decoder's), so the router sends routine questions to int4 and the rest elsewhere
+(issue 45's precision per tier).
 
 Each contender answers every test question in one continuous batch (`--max-batch` rows, a
 shared prefix cache holding the few-shot prefix); samples draw at the router's sampling setting
@@ -48,11 +52,16 @@ from common import pin_threads, print_table, write_json  # noqa: E402
 from train_consistency_router import SEED, parse_setting  # noqa: E402
 
 import rbcompile  # noqa: E402
-from rbcompile.runtime.engine.consistency import VoteOptions, normalise  # noqa: E402
-from rbcompile.runtime.engine.vote_sampling import RoutedGroup, SampleGroup  # noqa: E402
+from rbcompile.artifact.guard import QualityGuard  # noqa: E402
+from rbcompile.runtime.engine.consistency import VoteOptions, normalise, parse_tier_weights  # noqa: E402
 from rbcompile.runtime.engine.consistency_router import find_router, label_tier, vote_of  # noqa: E402
 from rbcompile.runtime.engine.prefix_cache import PrefixCache  # noqa: E402
 from rbcompile.runtime.engine.sampling import SamplingConfig  # noqa: E402
+from rbcompile.runtime.engine.vote_sampling import (  # noqa: E402
+    RoutedGroup,
+    SampleGroup,
+    tier_levels,  # noqa: E402
+)
 
 RESAMPLES = 2000
 CONTENDERS = ("greedy 1", "fixed 3", "fixed 7", "router", "router + early stop")
@@ -92,10 +101,17 @@ def main() -> None:
     parser.add_argument("--weights", nargs="+", choices=("fp32", "int8", "int4"),
                         help="run the contenders at each of these weight precisions, on the "
                         "onnxruntime executor (default: the torch executor at fp32)")
+    parser.add_argument("--tier-weights", nargs="+", metavar="SPEC",
+                        help="run the contenders once per tier setting (none, auto, or "
+                        "K=LEVEL pairs), on the onnxruntime executor at fp32")
+    parser.add_argument("--max-quality-loss", type=float, help="the quality guard the tiers' "
+                        "levels must be within (default: the artifact's)")
     parser.add_argument("--json", help="output path (default benchmarks/results/consistency.json)")
     args = parser.parse_args()
     pin_threads(args.threads)
     model = rbcompile.load(args.artifact)
+    if args.max_quality_loss is not None:
+        model.guard = QualityGuard(args.max_quality_loss)
     router = find_router(model, args.router)
     rows = questions.load("test")[:args.limit]
     form = questions.CLOZE
@@ -106,64 +122,81 @@ def main() -> None:
     common = dict(max_new_tokens=form.max_new_tokens, stop=list(form.stop))
     all_counted = VoteOptions(extract=form.extract, early_stop="off")
     early = VoteOptions(extract=form.extract, draw="waves")
-    contenders = {
-        "greedy 1": lambda e, p: SampleGroup(e, p, 1, sampling=SamplingConfig(), options=all_counted, **common),
-        "fixed 3": lambda e, p: SampleGroup(e, p, 3, sampling=sampled, options=all_counted, **common),
-        "fixed 7": lambda e, p: SampleGroup(e, p, 7, sampling=sampled, options=all_counted, **common),
-        "router": lambda e, p: RoutedGroup(e, p, router, sampling=sampled, options=all_counted, **common),
-        "router + early stop": lambda e, p: RoutedGroup(e, p, router, sampling=sampled, options=early,
-                                                        **common),
-    }
-    if args.contenders:
-        contenders = {name: contenders[name] for name in CONTENDERS
-                      if name.replace(" ", "-") in args.contenders}
-    results, answers, fixed7 = {}, {}, []
-    for level in args.weights or [None]:
-        if level is not None:
-            model.use_executor("onnxruntime", level, threads=args.threads)
-        suffix = "" if level in (None, (args.weights or ["fp32"])[0]) else f" ({level})"
-        run(model, prompts[:1], next(iter(contenders.values())), args.max_batch)  # warm-up
-        measured, level_answers, level_fixed7 = measure(model, contenders, prompts, gold,
-                                                        args.max_batch)
-        if not suffix:
-            answers, fixed7 = level_answers, level_fixed7
-        for name, result in measured.items():
-            result["weights"] = level or "fp32"
-            results[name + suffix] = result
+
+    def contenders(tiers: dict[int, str]) -> dict:
+        def fixed(k, sampling):
+            return lambda e, p: SampleGroup(e, p, k, sampling=sampling, options=all_counted,
+                                            weights=tiers.get(k), **common)
+
+        def routed(options):
+            return lambda e, p: RoutedGroup(e, p, router, sampling=sampled, options=options,
+                                            tiers=tiers, **common)
+        chosen = {"greedy 1": fixed(1, SamplingConfig()), "fixed 3": fixed(3, sampled),
+                  "fixed 7": fixed(7, sampled), "router": routed(all_counted),
+                  "router + early stop": routed(early)}
+        return {name: chosen[name] for name in CONTENDERS
+                if not args.contenders or name.replace(" ", "-") in args.contenders}
+    settings = [(level, None) for level in args.weights or [None]]
+    if args.tier_weights:
+        settings = [("fp32", spec) for spec in args.tier_weights]
+    results, answers, fixed7 = measure(model, settings, contenders, prompts, gold, args)
     summarise(results, answers, fixed7, gold, router, rows, setting, form, args)
 
 
-def measure(model, contenders: dict, prompts, gold, max_batch: int):
-    """Each contender over every prompt: (results, answers per contender, fixed 7's sample
-    answers)."""
+def measure(model, settings: list, contenders, prompts, gold, args):
+    """Each contender over every prompt at each setting ((weight level, tier spec)), the
+    settings interleaved per contender (ABBA): (results, the first setting's answers per
+    contender, its fixed 7's sample answers)."""
+    tiers = {}
+    for level, spec in settings:   # before timing: sessions built, tier levels checked
+        if level is not None:
+            model.use_executor("onnxruntime", level, threads=args.threads)
+        tiers[spec] = {} if spec in (None, "none") else tier_levels(
+            model, model.batch_engine(), parse_tier_weights(spec))
+        for make_group in contenders(tiers[spec]).values():   # warm-up: every graph it runs
+            run(model, prompts[:1], make_group, args.max_batch)
     results, answers, fixed7 = {}, {}, []
-    for name, make_group in contenders.items():
-        print(f"{name}: {len(prompts)} questions", file=sys.stderr)
-        groups, seconds = run(model, prompts, make_group, max_batch)
-        samples = [getattr(group, "group", group) for group in groups]
-        votes = [group.voter.vote() for group in samples]
-        answers[name] = [vote.answer for vote in votes]
-        if name == "fixed 7":   # each sample's answer, in seed order
-            fixed7 = [[group.voter.answer(group.texts[request]) for request in group.requests]
-                      for group in samples]
-        correct = [answer == expected for answer, expected in zip(answers[name], gold)]
-        agreement = [vote.clusters[0].votes / max(len(vote.answers), 1) if vote.clusters else 0.0
-                     for vote in votes]
-        tiers = [getattr(group, "tier", None) for group in groups]
-        results[name] = {
-            "accuracy": sum(correct) / len(prompts), "accuracy_95": bootstrap(correct),
-            "tokens": sum(group.new_tokens for group in groups), "seconds": seconds,
-            "rows_per_question": sum(group.drawn for group in samples) / len(prompts),
-            "consistency": sum(agreement) / len(prompts),
-            "tiers": {tier: tiers.count(tier) for tier in (1, 3, 7)} if tiers[0] else None,
-            "router_tiers": tiers if tiers[0] else None}
-    seven, greedy = results.get("fixed 7"), results.get("greedy 1")
-    for result in results.values():
+    for turn, name in enumerate(contenders({})):
+        for index, (level, spec) in (list(enumerate(settings)) if turn % 2 == 0
+                                     else list(enumerate(settings))[::-1]):
+            if level is not None:
+                model.use_executor("onnxruntime", level, threads=args.threads)
+            suffix = f" [{spec}]" if spec else "" if index == 0 else f" ({level})"
+            print(f"{name}{suffix}: {len(prompts)} questions", file=sys.stderr)
+            groups, seconds = run(model, prompts, contenders(tiers[spec])[name], args.max_batch)
+            result, votes, samples = describe(groups, seconds, gold)
+            result.update(weights=level or "fp32", tier_weights=tiers[spec], setting=index)
+            results[name + suffix] = result
+            if index == 0:
+                answers[name] = [vote.answer for vote in votes]
+            if index == 0 and name == "fixed 7":   # each sample's answer, in seed order
+                fixed7 = [[group.voter.answer(group.texts[request]) for request in group.requests]
+                          for group in samples]
+    for result in results.values():   # against the same setting's greedy 1 and fixed 7
+        same = {_contender(name): r for name, r in results.items()
+                if r["setting"] == result["setting"]}
+        seven, greedy = same.get("fixed 7"), same.get("greedy 1")
         result["tokens_vs_fixed7"] = result["tokens"] / seven["tokens"] if seven else None
         result["speed"] = greedy["seconds"] / result["seconds"] if greedy else None
         result["quality"] = (0.6 * result["accuracy"] + 0.3 * result["consistency"]
                              + 0.1 * result["speed"]) if greedy else None
     return results, answers, fixed7
+
+
+def describe(groups, seconds: float, gold) -> tuple[dict, list, list]:
+    """A contender's run: its measures, its votes and its sample groups."""
+    samples = [getattr(group, "group", group) for group in groups]
+    votes = [group.voter.vote() for group in samples]
+    correct = [vote.answer == expected for vote, expected in zip(votes, gold)]
+    agreement = [vote.clusters[0].votes / max(len(vote.answers), 1) if vote.clusters else 0.0
+                 for vote in votes]
+    tiers = [getattr(group, "tier", None) for group in groups]
+    return {"accuracy": sum(correct) / len(groups), "accuracy_95": bootstrap(correct),
+            "tokens": sum(group.new_tokens for group in groups), "seconds": seconds,
+            "rows_per_question": sum(group.drawn for group in samples) / len(groups),
+            "consistency": sum(agreement) / len(groups),
+            "tiers": {tier: tiers.count(tier) for tier in (1, 3, 7)} if tiers[0] else None,
+            "router_tiers": tiers if tiers[0] else None}, votes, samples
 
 
 def summarise(results, answers, fixed7, gold, router, rows, setting, form, args) -> None:
@@ -191,6 +224,11 @@ def summarise(results, answers, fixed7, gold, router, rows, setting, form, args)
     print(f"wrote {path}")
 
 
+def _contender(name: str) -> str:
+    """A result's contender, without its setting's suffix."""
+    return name.split(" [")[0].split(" (")[0]
+
+
 def _percent(value) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
@@ -202,7 +240,8 @@ def _fixed(value, digits: int) -> str:
 def _router_accuracy(results, answers, fixed7, gold, router, count: int) -> dict:
     labels = [label_tier(first, seven, answer)
               for first, seven, answer in zip(answers["greedy 1"], fixed7, gold)]
-    chosen = results["router"]["router_tiers"]
+    chosen = next(r for name, r in results.items()
+                  if r["setting"] == 0 and _contender(name) == "router")["router_tiers"]
     router_accuracy = sum(a == b for a, b in zip(chosen, labels)) / count
     needed = sum((a > 1) == (b > 1) for a, b in zip(chosen, labels)) / count
     # the earlier label: does a 7-vote (greedy + 6 samples) change the greedy answer?

@@ -43,6 +43,11 @@ class StoredPrecision:
         """The batch-1 decode step's speedup (None: not timed)."""
         return dict(self.speedups).get(1)
 
+    def speedup_at(self, rows: int) -> float | None:
+        """The decode step's speedup at `rows` rows: the one timed at the smallest batch size
+        of at least as many (speedups fall as batches grow; None: above every one timed)."""
+        return next((speedup for timed, speedup in self.speedups if timed >= rows), None)
+
     @property
     def fp32_from_rows(self) -> int | None:
         """Steps of at least this many rows run fp32: the first timed batch size at which this
@@ -91,14 +96,18 @@ AUTO = "auto"
 
 
 def resolve_weights(manifest: dict, weights: str, guard: QualityGuard) -> str:
-    """`weights`, or for "auto" the measured level with the largest decode speedup whose loss
-    `guard` allows (fp32 where none is faster)."""
-    if weights != AUTO:
-        return weights
-    allowed = [level for level in stored_precisions(manifest).values()
-               if level.speedup is not None and level.speedup > 1
-               and guard.allows(level.decoder_quality_loss)]
-    return max(allowed, key=lambda level: level.speedup).level if allowed else "fp32"
+    """`weights`, or for "auto" the `fastest_level` at batch 1."""
+    return fastest_level(manifest, guard) if weights == AUTO else weights
+
+
+def fastest_level(manifest: dict, guard: QualityGuard, rows: int = 1) -> str:
+    """The measured level with the largest decode speedup at `rows` rows whose loss `guard`
+    allows (fp32 where none is faster)."""
+    speedups = {level.level: level.speedup_at(rows) or 0.0
+                for level in stored_precisions(manifest).values()
+                if guard.allows(level.decoder_quality_loss)}
+    faster = {level: speedup for level, speedup in speedups.items() if speedup > 1}
+    return max(faster, key=faster.get) if faster else "fp32"
 
 
 def _check_level(weights: str) -> None:
@@ -162,13 +171,14 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
 
 def level_step(compiled, level: str):
     """The decoder's step at weight `level` whatever level it decodes at (what
-    `speculate="quant"` drafts with): the onnxruntime executor's, in fp32 from the batch size
-    where `level` measured no faster. Needs the executor in use and `level` measured."""
+    `speculate="quant"` drafts with, and rows asking a level of their own run): the onnxruntime
+    executor's, in fp32 from the batch size where `level` measured no faster. Needs the
+    executor in use and `level` measured (or fp32)."""
     decoder = compiled.decoder
     measured = stored_precisions(compiled.manifest).get(level)
-    if decoder is None or decoder.executor is None or measured is None:
+    if decoder is None or decoder.executor is None or (measured is None and level != "fp32"):
         raise UserError(f"a step at {level} needs the onnxruntime executor and {level} weights "
                         f"measured at compile (--precisions)")
     return partial(decoder.executor.run,
                    precision=level_precision(level, decoder.executor.linear_weights()),
-                   fp32_from_rows=measured.fp32_from_rows)
+                   fp32_from_rows=measured and measured.fp32_from_rows)

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rbcompile.artifact.manifest import PRECISION_LEVELS
 from rbcompile.artifact.quality import mean_pool
 from rbcompile.errors import UserError
 
@@ -202,7 +203,12 @@ class VoteOptions:
     wave a group whose prompt K/V come from the prefix cache: a decided vote leaves samples
     undrawn (fewer tokens), at the price of a wave's latency when it is not decided.
     `router`: for consistency='auto', a `ComplexityRouter` or its JSON file (default: the one
-    shipped for the artifact's checkpoint)."""
+    shipped for the artifact's checkpoint).
+
+    `tier_weights`: the weight level a vote of k samples decodes at, per k (e.g. {1: 'int4',
+    3: 'fp32', 7: 'int8'}; a k not given: the decoder's level), or 'auto': per k, the level
+    compile measured fastest at k rows within the quality guard (`executors.fastest_level`).
+    A level the guard refuses is a one-line error when the vote starts."""
     extract: str | Callable[[str], str | None] = "first-line"
     embed: Callable[[list[str]], torch.Tensor] | None = None
     threshold: float = 0.9
@@ -211,9 +217,11 @@ class VoteOptions:
     criterion: str = "beta"
     draw: str = "all"
     router: object = None
+    tier_weights: dict[int, str] | str | None = None
 
     def __post_init__(self):
         extractor(self.extract)
+        check_tier_weights(self.tier_weights)
         if not 0 < self.threshold <= 1:
             raise UserError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.early_stop not in EARLY_STOPS:
@@ -225,6 +233,34 @@ class VoteOptions:
             raise UserError(f"unknown criterion {self.criterion!r}; valid: {', '.join(CRITERIA)}")
         if self.draw not in DRAWS:
             raise UserError(f"unknown draw {self.draw!r}; valid: {', '.join(DRAWS)}")
+
+
+def check_tier_weights(tier_weights) -> None:
+    """A one-line UserError for `VoteOptions.tier_weights` that are not 'auto', None or a
+    mapping of sample counts (CONSISTENCY_SAMPLES) to level names."""
+    if tier_weights is None or tier_weights == "auto":
+        return
+    if not isinstance(tier_weights, dict) or not all(
+            k in CONSISTENCY_SAMPLES and isinstance(level, str)
+            for k, level in tier_weights.items()):
+        raise UserError(f"tier_weights must be 'auto' or map samples "
+                        f"({', '.join(map(str, CONSISTENCY_SAMPLES))}) to weight levels, got "
+                        f"{tier_weights!r}")
+
+
+def parse_tier_weights(text: str) -> dict[int, str] | str:
+    """`tier_weights` as written on a command line: 'auto', or K=LEVEL pairs
+    ('1=int4,3=fp32,7=int8'); a one-line UserError otherwise."""
+    if text == "auto":
+        return text
+    levels = ("fp32", *PRECISION_LEVELS)
+    pairs = [part.partition("=") for part in text.split(",")]
+    if not all(sep and k.strip() in map(str, CONSISTENCY_SAMPLES) and level.strip() in levels
+               for k, sep, level in pairs):
+        raise UserError(f"expected 'auto' or K=LEVEL pairs with K in "
+                        f"{', '.join(map(str, CONSISTENCY_SAMPLES))} and LEVEL in "
+                        f"{', '.join(levels)} (1=int4,3=fp32), got {text!r}")
+    return {int(k): level.strip() for k, _, level in pairs}
 
 
 @dataclass

@@ -11,8 +11,8 @@ per row, emit, finish; finished or cancelled rows leave). A group of requests on
 (`submit_samples`: n choices, a vote's samples) prefills one row, forked per request.
 
 Any thread may `submit` / `cancel`; one thread calls `step` while `has_work`. A row's tokens
-are those it would get alone: rows share only the step, never each other's keys; drafts are
-verified losslessly (`sampling.verify`). docs/generation.md has the details.
+are those it would get alone (rows share only the step, never each other's keys; drafts are
+verified losslessly; weight levels: weight_levels.py). docs/generation.md has the details.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from rbcompile.runtime.engine.sampling import verify_rows
 from rbcompile.runtime.engine.speculation import Speculation
 from rbcompile.runtime.engine.stopping import StopCriteria, check_lengths, check_stop
 from rbcompile.runtime.engine.waiting import WaitingQueue, fair_victims
+from rbcompile.runtime.engine.weight_levels import WeightLevel, WeightLevels
 
 
 class BatchEngine:
@@ -51,15 +52,16 @@ class BatchEngine:
     gates=None)` is the artifact's decoder (see decoder.Decoder); `gates_for_budget(budget)`
     its gates for a budget (None: the full path); `config` how it batches (`EngineConfig`).
     `release_cache(tensors)` hears of K/V tensors the engine no longer uses (the cache grew, or
-    started over): the decoder's `forget_cache`; with a `cache_pool` its tensors come from the
-    pool and go back to it instead. `light`: the light path that 'self' drafts with; `quant`:
-    the lower weight level that 'quant' drafts with."""
+    started over): the decoder's `forget_cache`; with a `cache_pool` they come from the pool
+    and go back to it. `light` / `quant`: what 'self' / 'quant' draft with; `levels`: the
+    weight levels requests may ask (`EngineRequest.weights`; default: the step's own)."""
 
     def __init__(self, step: Callable, shape: DecoderShape, config: EngineConfig = EngineConfig(),
                  *, gates_for_budget: Callable, eos_token_ids=(), decode: Callable | None = None,
                  wake: threading.Condition | None = None, prefix_cache: PrefixCache | None = None,
                  release_cache: Callable | None = None, cache_pool: CachePool | None = None,
-                 light: LightDrafter | None = None, quant: LightDrafter | None = None):
+                 light: LightDrafter | None = None, quant: LightDrafter | None = None,
+                 levels: WeightLevels | None = None):
         self.config, self.max_batch = config, config.max_batch
         self.step_fn, self.shape, self.gates_for_budget = step, shape, gates_for_budget
         self.eos = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
@@ -73,8 +75,10 @@ class BatchEngine:
         self.criteria: dict[EngineRequest, StopCriteria] = {}
         self.generators: dict[EngineRequest, torch.Generator | None] = {}
         self.speculation = Speculation(config.draft_tokens, light, quant)
+        self.levels = levels or WeightLevels(WeightLevel("full", None, 0.0))
         self.stats = EngineStats()
         self.budget: float | None = None   # for requests without their own (a controller's)
+        self.weights: str | None = None    # likewise, the weight level (weight_levels.py)
         self.controller = None             # runtime.decode_control.DecodeController, if any
         self._check_s = 0.0                # this step's seconds in a quality check's full path
         self.wake = wake or threading.Condition()   # notified on submit and cancel
@@ -106,6 +110,7 @@ class BatchEngine:
             check_lengths(len(request.prompt), request.max_new_tokens, self.shape.max_positions)
             check_stop(request.stop, self.decode)
             self.speculation.check(request)
+            self.levels.check(request.weights)
         for request in group:
             self.criteria[request] = StopCriteria(request.max_new_tokens, self.eos,
                                                   list(request.stop), self.decode)
@@ -125,8 +130,7 @@ class BatchEngine:
             self.wake.notify()
 
     @property
-    def queued(self) -> int:
-        """Requests waiting for a row."""
+    def queued(self) -> int:   # requests waiting for a row
         return self.waiting.requests
 
     def queued_by_priority(self) -> dict[int, int]:
@@ -220,13 +224,10 @@ class BatchEngine:
 
     def _live(self, group: list[EngineRequest]) -> list[EngineRequest]:
         """The requests of `group` not cancelled; the cancelled ones finish."""
-        live = []
         for request in group:
             if request.cancelled:
                 self._finish(request, "cancelled")
-            else:
-                live.append(request)
-        return live
+        return [request for request in group if not request.cancelled]
 
     def _start_chunked(self, group: list[EngineRequest]) -> ChunkedPrefill:
         """K/V of the group's whole prompt, the prefix cache's blocks copied in, under the
@@ -247,9 +248,10 @@ class BatchEngine:
         slots = torch.arange(start, end, device=device)
         mask = None if self.config.unpadded_prefill and start == 0 else \
             torch.ones(1, end, dtype=torch.long, device=device)
-        logits = self.step_fn(torch.tensor([job.prompt[start:end]], device=device), mask,
-                              slots[None], slots, torch.tensor([end - start - 1], device=device),
-                              [tensor[:, :, :end] for tensor in job.kv], gates=job.gates)[0, -1]
+        step = self._step_of(job.group)
+        logits = step(torch.tensor([job.prompt[start:end]], device=device), mask, slots[None],
+                      slots, torch.tensor([end - start - 1], device=device),
+                      [tensor[:, :, :end] for tensor in job.kv], gates=job.gates)[0, -1]
         job.done = end
         self.stats.prefill_forwards += 1
         self.speculation.prefilled(job.group[:1])
@@ -296,11 +298,12 @@ class BatchEngine:
         slots = torch.arange(end - width, end, device=device)
         unpadded = self.config.unpadded_prefill and width == end and \
             all(len(p) == end for p in prompts)
-        logits = self.step_fn(torch.tensor(ids, device=device),
-                              None if unpadded else cache.attention_mask(rows),
-                              (slots[None] - cache.pads[rows, None]).clamp_min(0), slots,
-                              torch.tensor([width - 1], device=device), cache.views(rows),
-                              gates=gates)[:, -1]
+        step = self._step_of([request for group in groups for request in group])
+        logits = step(torch.tensor(ids, device=device),
+                      None if unpadded else cache.attention_mask(rows),
+                      (slots[None] - cache.pads[rows, None]).clamp_min(0), slots,
+                      torch.tensor([width - 1], device=device), cache.views(rows),
+                      gates=gates)[:, -1]
         for row, group in enumerate(groups, first):
             for _ in group[1:]:
                 cache.fork(row)
@@ -381,8 +384,7 @@ class BatchEngine:
                 offsets, cache.views(rows))
 
     def _light_forward(self, step: Callable, tokens: list[int], offset: int) -> torch.Tensor:
-        """A drafter's `step` logits [running rows, vocab] for one token per row, `offset`
-        slots past the cache's length (speculation.Speculation drafts with it)."""
+        """A drafter's `step` logits [rows, vocab], one token per row `offset` slots on."""
         inputs = self._step_inputs([[token] for token in tokens], offset)
         return step(*inputs)[:self.cache.active, 0]
 
@@ -428,16 +430,21 @@ class BatchEngine:
         and its K/V (the full forward writes the same slots last) are then the full path's, so
         a checked step loses nothing."""
         active, gates = len(self.running), self.gates_for_budget(budget)
+        step = self._step_of(self.running)
         if gates is None or all(gates) or self.controller is None or \
                 not self.controller.check_due(budget):
-            return self.step_fn(*inputs, gates=gates)[:active]
-        light = self.step_fn(*inputs, gates=gates)[:active, 0].argmax(-1).tolist()
+            return step(*inputs, gates=gates)[:active]
+        light = step(*inputs, gates=gates)[:active, 0].argmax(-1).tolist()
         started = perf_counter()
-        logits = self.step_fn(*inputs, gates=None)[:active]
+        logits = step(*inputs, gates=None)[:active]
         self._check_s = perf_counter() - started   # not the step's: the controller times light
         full = logits[:, 0].argmax(-1).tolist()
         self.controller.checked(budget, sum(a == b for a, b in zip(light, full)), active)
         return logits
+
+    def _step_of(self, requests: list[EngineRequest]) -> Callable:
+        """The step of a forward over `requests`, at their weight level (`level_for`)."""
+        return self.levels.step_for(requests, self.step_fn, self.weights)
 
     def _emit(self, request: EngineRequest, token: int) -> None:
         request.row.tokens.append(token)
@@ -469,9 +476,8 @@ class BatchEngine:
 
     def _remove_row(self, index: int) -> EngineRequest:
         """Row `index` leaves the batch (the last row moves into its place): its request."""
-        request = self.running[index]
         self.cache.leave(index)
-        self.running[index] = self.running[-1]
+        request, self.running[index] = self.running[index], self.running[-1]
         self.running.pop()
         return request
 

@@ -2,13 +2,14 @@
 `rbcompile.load` and `rbcompile.compile` return; the artifact itself knows no engine."""
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from functools import partial
 
 import torch
 
 from rbcompile.artifact.compiled import SELF_DRAFT_BUDGET, CompiledModel
-from rbcompile.artifact.executors import level_step, stored_precisions
+from rbcompile.artifact.executors import check_precision, level_step, stored_precisions
 from rbcompile.artifact.loading import load_artifact
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.core import BatchEngine
@@ -18,6 +19,7 @@ from rbcompile.runtime.engine.generation import stream as stream_tokens
 from rbcompile.runtime.engine.requests import FIRST_DRAFT_LENGTH, EngineConfig
 from rbcompile.runtime.engine.sampling import SamplingConfig
 from rbcompile.runtime.engine.vote_sampling import generate_voted
+from rbcompile.runtime.engine.weight_levels import WeightLevel, WeightLevels
 
 # a lower weight level's drafts agree with the full path's where it is unsure too, so it drafts
 # to the step's limit (docs/executor.md, "One thread pool, and quantized drafts")
@@ -120,6 +122,18 @@ class Model(CompiledModel):
         return LightDrafter(level_step(self, best), threshold=QUANT_DRAFT_THRESHOLD, cost=0.0,
                             level=best)
 
+    def weight_level(self, name: str) -> WeightLevel:
+        """Weight level `name` as requests of this artifact's engine may ask it
+        (`EngineRequest.weights`): its step and measured loss. A one-line UserError where the
+        quality guard refuses it (`check_precision`) or the onnxruntime executor is not in use."""
+        if self.decoder.executor is None and name != self.decoder.weights:
+            raise UserError(f"{name} weights need the onnxruntime executor (--executor)")
+        check_precision(self.manifest, name, self.guard)
+        measured = stored_precisions(self.manifest).get(name)
+        loss = 0.0 if name == "fp32" else measured.decoder_quality_loss if measured else math.inf
+        step = None if name == self.decoder.weights else level_step(self, name)
+        return WeightLevel(name, step, loss)
+
     def batch_engine(self, max_batch: int = 16, **options):
         """A continuous-batching engine on the decoder (runtime/engine/core.py), for serving;
         `options` are `EngineConfig`'s fields (`batch_buckets` defaults to whether the decoder
@@ -138,6 +152,8 @@ class Model(CompiledModel):
                            eos_token_ids=() if eos is None else eos, decode=decode,
                            release_cache=self.decoder.forget_cache, light=self.light_drafter(),
                            quant=self.quant_drafter(),
+                           levels=WeightLevels(self.weight_level(self.decoder.weights),
+                                               self.weight_level),
                            **{k: v for k, v in options.items() if k not in names})
 
 

@@ -92,6 +92,9 @@ class EngineRequest:
     accepted: int = 0               # of those, kept
     draft_length: int = FIRST_DRAFT_LENGTH   # most drafts next step (Speculation.record)
     budget_run: float = 0.0         # the largest budget any forward it took part in ran
+    weights: str | None = None      # the lowest weight level it allows (None: the decoder's;
+    # its forwards run at least as precise: weight_levels.py)
+    weights_run: str | None = None  # the least precise level any of its forwards ran
 
     @property
     def tokens(self) -> list[int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from time import perf_counter
 from typing import Callable
 
+from rbcompile.artifact.executors import fastest_level
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.consistency import CONSISTENCY_SAMPLES, Vote, VoteOptions, Voter
 from rbcompile.runtime.engine.consistency_router import find_router, prompt_features
@@ -46,6 +47,7 @@ class ConsistencyStats:
     seconds: float
     drawn: int = 0                # samples drawn (with waves, fewer than k once decided)
     tier: int | None = None       # consistency='auto': the router's number of samples
+    weights: str | None = None    # the weight level its tier asked (None: the decoder's)
 
 
 @dataclass
@@ -81,12 +83,14 @@ class SampleGroup:
                  sampling: SamplingConfig, stop: list[str] | None = None,
                  budget: float | None = None, options: VoteOptions = VoteOptions(),
                  on_token: Callable[[int], None] | None = None, keep_first_logits: bool = False,
-                 lead=None, client: str | None = None, priority: int = 1):
+                 lead=None, client: str | None = None, priority: int = 1,
+                 weights: str | None = None):
 
         if engine.decode is None:
             raise UserError("self-consistency needs the artifact's tokenizer (answers are "
                             "extracted from text)")
         self.engine, self.voter, self.texts, self.lead = engine, Voter(k, options), {}, lead
+        self.weights = weights
         self.voted: list[EngineRequest] = []   # in the order counted
         self.held: list[EngineRequest] = []    # finished before the lead, counted after it
         drawn = k - (lead is not None)
@@ -94,7 +98,7 @@ class SampleGroup:
         self.requests = [EngineRequest(prompt, max_new_tokens, replace(sampling, seed=seed),
                                        list(stop or []), budget, priority, client=client,
                                        on_token=on_token, on_finish=self._finished,
-                                       keep_first_logits=keep_first_logits)
+                                       keep_first_logits=keep_first_logits, weights=weights)
                          for seed in self.seeds]
         self.waves = options.draw == "waves" and options.early_stop != "off"
         self.drawn = 0
@@ -203,7 +207,7 @@ def vote_result(group, started: float, prefills: int, decode_steps: int) -> Cons
                              new_tokens=group.new_tokens, prefills=prefills,
                              decode_steps=decode_steps, stopped_early=samples.voter.vote().early,
                              seconds=perf_counter() - started, drawn=samples.drawn,
-                             tier=getattr(group, "tier", None))
+                             tier=getattr(group, "tier", None), weights=group.weights)
     return group.result(stats)
 
 
@@ -222,7 +226,8 @@ def sample_and_vote(compiled, prompt_ids, k: int, *, max_new_tokens: int,
     engine = _engine(compiled, k, prefix_cache)
     group = SampleGroup(engine, [int(token) for token in prompt_ids], k,
                         max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                        budget=budget, options=options)
+                        budget=budget, options=options,
+                        weights=tier_levels(compiled, engine, options.tier_weights, (k,)).get(k))
     return _finish(engine, group, started)
 
 
@@ -232,14 +237,18 @@ class RoutedGroup:
     and that prefill's logits and picks 1, 3 or 7 votes. 1: the greedy row's answer; 3 or 7:
     the greedy row goes on as the vote's first member (ties go to it) and a `SampleGroup` draws
     the other 2 or 6 as samples, whose prompt K/V come from the engine's prefix cache when it
-    has one."""
+    has one. `tiers`: the weight level of each tier's decode steps (`tier_levels`)."""
 
     def __init__(self, engine, prompt: list[int], router, *, max_new_tokens: int,
                  sampling: SamplingConfig, stop: list[str] | None = None,
                  budget: float | None = None, options: VoteOptions = VoteOptions(),
-                 client: str | None = None, priority: int = 1):
+                 client: str | None = None, priority: int = 1,
+                 tiers: dict[int, str] | None = None):
         _check_samples(max(router.tiers), sampling)
         self.engine, self.prompt, self.router, self.tier = engine, prompt, router, None
+        self.tiers, self.weights = tiers or {}, None
+        for level in self.tiers.values():   # before the greedy row is queued
+            engine.levels.check(level)
         self.features: list[float] | None = None
         self.options = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             budget=budget, options=options, client=client, priority=priority)
@@ -254,9 +263,10 @@ class RoutedGroup:
         self.features = prompt_features(self.engine.decode(self.prompt),
                                         self.greedy.requests[0].first_logits)
         self.tier = self.router.tier(self.features)
+        self.weights = self.greedy.requests[0].weights = self.tiers.get(self.tier)
         if self.tier > 1:
             self.group = SampleGroup(self.engine, self.prompt, self.tier, **self.options,
-                                     lead=self.greedy.requests[0])
+                                     lead=self.greedy.requests[0], weights=self.weights)
 
     @property
     def done(self) -> bool:
@@ -301,12 +311,28 @@ def start_vote(compiled, engine, prompt: list[int], consistency, *, options: Vot
     (the caller's, or a server's model thread) must run this: a `SampleGroup` of
     `consistency` samples, or for 'auto' a `RoutedGroup` with the artifact's router.
     `sample_options`: SampleGroup's (max_new_tokens, sampling, stop, budget)."""
+    tiers = tier_levels(compiled, engine, options.tier_weights,
+                        CONSISTENCY_SAMPLES if consistency == "auto" else (consistency,))
     if consistency == "auto":
 
         return RoutedGroup(engine, prompt, find_router(compiled, options.router), options=options,
-                           **sample_options)
+                           tiers=tiers, **sample_options)
     _check_samples(consistency, sample_options["sampling"])
-    return SampleGroup(engine, prompt, consistency, options=options, **sample_options)
+    return SampleGroup(engine, prompt, consistency, options=options,
+                       weights=tiers.get(consistency), **sample_options)
+
+
+def tier_levels(compiled, engine, tier_weights, samples=CONSISTENCY_SAMPLES) -> dict[int, str]:
+    """The weight level of each of the tiers `samples` that asks one of its own
+    (`VoteOptions.tier_weights`; 'auto': where a level measured faster than fp32 at k rows),
+    each checked by `engine` (a one-line UserError where the quality guard refuses it)."""
+    if tier_weights == "auto":
+        found = {k: fastest_level(compiled.manifest, compiled.guard, k) for k in samples}
+        tier_weights = {k: level for k, level in found.items() if level != "fp32"}
+    levels = {k: level for k, level in (tier_weights or {}).items() if k in samples}
+    for level in levels.values():
+        engine.levels.check(level)
+    return levels
 
 
 def generate_voted(compiled, input_ids, attention_mask, consistency, *, vote: VoteOptions | None,

@@ -45,7 +45,9 @@ from rbcompile.runtime.serving.text_stream import TextStream, cut_at_stop
 
 
 class CompletionEndpoints(Service):
-    """The generation endpoints of a decoder artifact."""
+    """The generation endpoints of a decoder artifact; votes decode each tier at
+    `tier_weights` (`ServeConfig.tier_weights`)."""
+    tier_weights: dict[int, str] | str | None = None
 
     def _max_new_tokens(self, asked: int | None, param: str, prompt_tokens: int) -> int:
         """`asked`, checked against the server's limit and the positions the prompt leaves;
@@ -205,7 +207,8 @@ class CompletionEndpoints(Service):
 
         return TokenRun(self._engine_events(requests, queue), lambda: (
             sum(r.drafted for r in requests), sum(r.accepted for r in requests)),
-            lambda: self._plan_report(job.asked, max(r.budget_run for r in requests)), close)
+            lambda: self._plan_report(job.asked, max(r.budget_run for r in requests),
+                                      [r.weights_run for r in requests]), close)
 
     async def _engine_events(self, requests: list[EngineRequest], queue: asyncio.Queue):
         """(choice, token) as the engine emits them; stopping early (a client gone) cancels
@@ -235,7 +238,8 @@ class CompletionEndpoints(Service):
         if body.n != 1 or body.stream:
             raise ApiError(400, "rbcompile.consistency gives one voted choice: it takes n=1 and "
                            "no stream", "rbcompile")
-        vote, sampling = VoteOptions(extract=body.rbcompile.extract), _sampling(body, 0)
+        vote = VoteOptions(extract=body.rbcompile.extract, tier_weights=self.tier_weights)
+        sampling = _sampling(body, 0)
         check_vote(body.rbcompile.consistency, speculate=body.rbcompile.speculate, stream=False,
                    sampling=sampling)
         job.choices = vote_rows(body.rbcompile.consistency)
@@ -271,6 +275,7 @@ class CompletionEndpoints(Service):
                 "rbcompile": {"answer": result.answer, "votes": result.votes,
                               "samples": stats.drawn, "voted": stats.voted,
                               "stopped_early": stats.stopped_early, "tier": stats.tier,
+                              "weights": stats.weights or self.compiled.decoder.weights,
                               "plan": self._plan_report(job.asked, job.asked.budget)}}
 
     def _plan(self, budget: float | None) -> GuardedPlan:
@@ -281,13 +286,16 @@ class CompletionEndpoints(Service):
             return controller.quality_loop.plan(budget)
         return guard_budget(self.compiled.plans, budget, self.compiled.guard, DECODER)
 
-    def _plan_report(self, asked: GuardedPlan, ran_budget: float) -> dict:
+    def _plan_report(self, asked: GuardedPlan, ran_budget: float,
+                     weights_run: list[str | None] = ()) -> dict:
         """`rbcompile.plan` of a response: the budget asked for and why less ran, the largest
         budget its tokens ran (a controller's too: the engine records them bounded) and that
-        plan's measured quality loss."""
+        plan's measured quality loss; the least precise weight level they ran and its loss."""
         ran = guard_budget(self.compiled.plans, ran_budget, self.compiled.guard, DECODER)
         limit = self.compiled.guard.max_quality_loss
+        weights = self.worker.engine.levels.least_precise(weights_run)
         return {**asked.as_json(), "budget": ran.budget, "quality_loss": ran.quality_loss,
+                "weights": weights.name, "weights_quality_loss": weights.loss,
                 "max_quality_loss": limit if limit != float("inf") else None}
 
     def _decode(self, tokens: list[int]) -> str:

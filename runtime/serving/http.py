@@ -95,6 +95,7 @@ def create_app(compiled, config: ServeConfig = ServeConfig(), *, policy=None,
                                       quality_loop=QualityLoop(compiled, config.quality_loop))
         metrics.registry.register(QualityCollector(controller))
     service = _Service(compiled, config.limits, metrics, worker, config.watermarks, memory, results)
+    service.tier_weights = config.tier_weights
     _add_error_handlers(app)
 
     @app.get("/health")

@@ -24,7 +24,8 @@ class ServeConfig:
     completions that bring none (runtime/serving/serve_policy.py), within `guard` (None: the
     artifact's own) and the live agreement checks of `quality_loop`. `executor` and `weights`:
     what runs the decode steps, at which weight precision (rbcompile/artifact/executors.py;
-    the CLI applies them, Ray replicas when they load the artifact)."""
+    the CLI applies them, Ray replicas when they load the artifact); `tier_weights`: the level
+    each consistency tier's votes decode at (`VoteOptions.tier_weights`)."""
     api_key: str | None = None
     limits: ServeLimits = field(default_factory=ServeLimits)
     max_batch: int = 16
@@ -37,6 +38,7 @@ class ServeConfig:
     quality_loop: QualityLoopConfig = field(default_factory=QualityLoopConfig)
     executor: str = "auto"
     weights: str = "fp32"
+    tier_weights: dict[int, str] | str | None = None
 
     @property
     def slo_s(self) -> float:

@@ -131,8 +131,23 @@ def test_run_weights_auto_takes_the_fastest_level_the_guard_allows(llama_artifac
         assert f"--weights auto: {expected}" in capsys.readouterr().err
 
 
+def test_run_votes_decode_at_their_tiers_weights(llama_artifact, capsys):
+    """--tier-weights: a 1-sample vote decodes at the level given for tier 1, within the
+    guard (a level over it is a one-line error)."""
+    manifest = json.loads((llama_artifact / "manifest.json").read_text())
+    loss = {p["level"]: p["decoder_quality_loss"] for p in manifest["precisions"]}["int4"]
+    argv = ["run", str(llama_artifact), "--text", "the time of his", "--max-new-tokens", "4",
+            "--consistency", "1", "--tier-weights", "1=int4,7=int8"]
+    assert main(argv + ["--max-quality-loss", "10"]) == 0
+    assert "int4 weights; votes" in capsys.readouterr().out
+    assert main(argv + ["--max-quality-loss", str(loss / 2)]) == 2
+    assert f"int4 weights cost quality loss {loss:.3f}" in _error_line(capsys)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--consistency", "3"], "--consistency 3 needs --temperature"),
+    (["--tier-weights", "2=int4"], "expected 'auto' or K=LEVEL pairs"),
+    (["--tier-weights", "1=int3"], "expected 'auto' or K=LEVEL pairs"),
     (["--consistency", "3", "--temperature", "0.7", "--extract", "middle"], "unknown answer extractor 'middle'"),
     (["--consistency", "3", "--temperature", "0.7", "--speculate", "ngram"], "does not combine with speculate"),
     (["--temperature", "0"], "temperature must be > 0 when sampling"),

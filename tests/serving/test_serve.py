@@ -699,6 +699,18 @@ def test_consistency_field_answers_with_the_voted_sample(decoder_client, llama):
     assert 'rbcompile_consistency_tier_total{tier="3"}' in decoder_client.get("/metrics").text
 
 
+def test_votes_decode_at_the_servers_tier_weights(llama):
+    """`serve --tier-weights`: a vote's tier decodes at its level, reported in the response; a
+    level this server cannot run is a 400 naming why."""
+    client = TestClient(create_app(llama, ServeConfig(tier_weights={3: "int4"})))
+    body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0.9, "seed": 3,
+            "rbcompile": {"consistency": 3}}
+    assert_refused(client.post("/v1/completions", json=body),
+                   "int4 weights need the onnxruntime executor", None)
+    body["rbcompile"]["consistency"] = 1
+    assert client.post("/v1/completions", json=body).json()["rbcompile"]["weights"] == "fp32"
+
+
 @pytest.mark.parametrize("extension, extra, message, param", [
     ({"consistency": 3}, {"n": 2}, "takes n=1 and no stream", "rbcompile"),
     ({"consistency": 3}, {"stream": True}, "takes n=1 and no stream", "rbcompile"),

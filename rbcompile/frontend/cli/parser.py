@@ -74,6 +74,22 @@ def _executor_options(parser) -> None:
                         "fastest at compile among those allowed (fp32 if none)")
 
 
+    parser.add_argument("--tier-weights", type=_tier_weights, metavar="K=LEVEL,...|auto",
+                        help="decoders, with consistency votes: the weight level a vote of K "
+                        "samples decodes at (1=int4,3=fp32,7=int8; a K not given: --weights), "
+                        "or auto: per K, the level measured fastest at K rows within "
+                        "--max-quality-loss")
+
+
+def _tier_weights(text: str) -> dict[int, str] | str:
+    from rbcompile.errors import UserError
+    from rbcompile.runtime.engine.consistency import parse_tier_weights
+    try:
+        return parse_tier_weights(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _placement_options(parser, device_help: str, dtype_help: str) -> None:
     parser.add_argument("--device", help=device_help + ": cpu, cuda, cuda:N")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help=dtype_help)

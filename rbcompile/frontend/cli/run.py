@@ -162,12 +162,14 @@ def _vote_texts(model, args) -> None:
             do_sample=args.temperature is not None,
             temperature=1.0 if args.temperature is None else args.temperature,
             top_k=args.top_k, top_p=args.top_p, seed=args.seed, speculate=args.speculate,
-            consistency=k, vote=VoteOptions(extract=args.extract))
+            consistency=k, vote=VoteOptions(extract=args.extract,
+                                            tier_weights=args.tier_weights))
         stats = result.stats
         votes = ", ".join(f"{answer!r}: {count}" for answer, count in result.votes.items())
         print(f"{text!r} -> {result.answer!r}")
         tier = "" if stats.tier is None else \
             f"router: tier {stats.tier} (greedy + {stats.tier - 1} samples); "
+        tier += "" if stats.weights is None else f"{stats.weights} weights; "
         print(f"  {tier}votes {{{votes}}} from {stats.voted} of {stats.samples} answers"
               f"{' (stopped early)' if stats.stopped_early else ''}; {stats.prefills} prefill, "
               f"{stats.new_tokens} tokens in {stats.seconds:.2f} s")

@@ -73,4 +73,5 @@ def serve_config(args: argparse.Namespace, api_key: str | None):
                        policy=PolicyOptions(args.policy, args.budget, args.slo_ms, args.policy_file),
                        guard=_guard_from(args),
                        quality_loop=QualityLoopConfig(check_every=args.quality_check_every),
-                       executor=args.executor, weights=args.weights)
+                       executor=args.executor, weights=args.weights,
+                       tier_weights=args.tier_weights)
