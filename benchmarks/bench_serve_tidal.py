@@ -18,7 +18,8 @@ server (continuous batching, serve's defaults otherwise):
 Reported per contender: requests sent, served, shed (HTTP 503, the watermarks or the queue),
 lost (anything else: an error, or a stream that did not finish), throughput (served requests /
 s over the day), end-to-end latency p50 / p99, TTFT p99, decode-step latency p99 (chunk gaps),
-the mean budget the controller set (/metrics sampled every second), the controller decisions
+the mean budget the controller set and the share of the day it had lowered the weight
+precision (/metrics sampled every second, runtime/control/levers.py), the controller decisions
 the quality guard withheld and the top-1 agreement of its sampled checks (/metrics at the end of
 the day), and quality against the full path: the share of requests whose text equals
 static-full's, and the mean share of static-full's tokens that match position by position.
@@ -109,11 +110,12 @@ class Day:
     records: list[dict]
     budgets: list[float]
     metrics: dict[str, float]
+    lowered: list[bool]   # per sample: the controller had lowered the weight precision
 
 
 async def replay(endpoint: Endpoint, trace, prompts: list[str], new_tokens: int) -> Day:
     """Every request of the trace at its second (QoS in the rbcompile object)."""
-    start, budgets = time.perf_counter(), []
+    start, budgets, lowered = time.perf_counter(), [], []
 
     async def one(index, at, qos):
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
@@ -123,7 +125,9 @@ async def replay(endpoint: Endpoint, trace, prompts: list[str], new_tokens: int)
     async def sample_budget():
         while True:
             with contextlib.suppress(OSError):
-                budgets.append(read_metrics(endpoint.base_url).get("rbcompile_decode_budget", 0.0))
+                metrics = read_metrics(endpoint.base_url)
+                budgets.append(metrics.get("rbcompile_decode_budget", 0.0))
+                lowered.append(metrics.get("rbcompile_decode_weights_quality_loss", 0.0) > 0)
             await asyncio.sleep(1.0)
 
     sampler = asyncio.create_task(sample_budget())
@@ -131,7 +135,7 @@ async def replay(endpoint: Endpoint, trace, prompts: list[str], new_tokens: int)
         records = await asyncio.gather(*(one(i, at, qos) for i, (at, qos) in enumerate(trace)))
     finally:
         sampler.cancel()
-    return Day(records, budgets, read_metrics(endpoint.base_url))
+    return Day(records, budgets, read_metrics(endpoint.base_url), lowered)
 
 
 def agreement(records: list[dict], reference: list[dict], tokenizer) -> tuple[float, float]:
@@ -164,6 +168,7 @@ def summarise(name: str, day: Day, day_s: float, reference: list[dict] | None,
             "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
             "ttft_p99_s": percentile(ttft, 99), "step_p99_s": percentile(sorted(gaps(served)), 99),
             "mean_budget": statistics.fmean(budgets) if budgets else 0.0,
+            "lowered_share": statistics.fmean(day.lowered) if day.lowered else 0.0,
             "withheld": sum(v for k, v in metrics.items()
                             if k.startswith("rbcompile_lossy_plans_withheld_total")),
             "checked_rows": metrics.get("rbcompile_quality_checked_rows_total", 0.0),
@@ -179,6 +184,7 @@ def print_rows(rows: list[dict]) -> None:
                   "latency_p50_s": ms(row["latency_p50_s"]), "latency_p99_s": ms(row["latency_p99_s"]),
                   "ttft_p99_s": ms(row["ttft_p99_s"]), "step_p99_s": ms(row["step_p99_s"]),
                   "mean_budget": f"{row['mean_budget']:.2f}", "same_text": f"{row['same_text']:.0%}",
+                  "lowered_share": f"{row['lowered_share']:.0%}",
                   "withheld": f"{row['withheld']:.0f}",
                   "checked_agreement": f"{row['checked_agreement']:.1%} of {row['checked_rows']:.0f}",
                   "token_agreement": f"{row['token_agreement']:.0%}"} for row in rows],
@@ -186,7 +192,8 @@ def print_rows(rows: list[dict]) -> None:
                  ("shed", "shed 503"), ("lost", "lost"), ("throughput_rps", "req/s"),
                  ("latency_p50_s", "p50 ms"), ("latency_p99_s", "p99 ms"),
                  ("ttft_p99_s", "TTFT p99"), ("step_p99_s", "step p99"),
-                 ("mean_budget", "budget"), ("withheld", "withheld"),
+                 ("mean_budget", "budget"), ("lowered_share", "lower weights"),
+                 ("withheld", "withheld"),
                  ("checked_agreement", "checked agree"), ("same_text", "same text"),
                  ("token_agreement", "tokens agree")])
     lost = sum(row["lost"] for row in rows)

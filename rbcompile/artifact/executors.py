@@ -169,6 +169,12 @@ def use_executor(compiled, executor: str = "auto", weights: str = "fp32",
     return executor
 
 
+def prepare_level(compiled, level: str) -> None:
+    """Build the onnxruntime sessions of `level`'s decode steps now (`StepExecutor.prepare`)."""
+    executor = compiled.decoder.executor
+    executor.prepare(level_precision(level, executor.linear_weights()))
+
+
 def level_step(compiled, level: str):
     """The decoder's step at weight `level` whatever level it decodes at (what
     `speculate="quant"` drafts with, and rows asking a level of their own run): the onnxruntime

@@ -148,6 +148,12 @@ class StepExecutor:
 
     # ---- a step ---------------------------------------------------------------------------
 
+    def prepare(self, precision: dict[str, str] | None = None, gates=None) -> None:
+        """Build the sessions of steps at `precision` (fused and plain attention) now, so that
+        the first such step (a controller lowering precision under load) does not wait."""
+        for fused in (True, False):
+            self.session(self.variant(gates, precision, fused))
+
     def __call__(self, input_ids, attention_mask, position_ids, cache_position, logit_positions,
                  cache, gates=None, precision: dict[str, str] | None = None) -> torch.Tensor:
         """A step at `precision`, in fp32 from `full_precision_rows` rows (the decoding level's)."""

@@ -31,7 +31,8 @@ class DecodeController:
     `cpu()` the CPU utilisation (psutil's since the last call by default) and `clock()` the time
     in seconds (the decode-step simulator, runtime/control/decode_simulator.py, passes its own).
     `quality_loop` clamps each decided budget (None: the decision runs as it is, for a
-    simulator whose table holds only the plans it may run)."""
+    simulator whose table holds only the plans it may run); a decided weight level (the
+    policy's `levels`, levers.precision_ladder: within the guard) becomes `engine.weights`."""
 
     def __init__(self, engine, policy: BasePolicy, slo_s: float, memory: Callable[[], float],
                  period_s: float = 0.25, *, clock: Callable[[], float] = time.monotonic,
@@ -68,6 +69,9 @@ class DecodeController:
         self.decision = self.policy.decide(state)
         budget = self.decision.budget or None
         self.engine.budget = self.quality_loop.clamp(budget) if self.quality_loop else budget
+        if self.decision.weights is not None:
+            self.engine.levels.check(self.decision.weights)
+        self.engine.weights = self.decision.weights
 
     def bound(self, budget: float | None) -> float | None:
         """The budget a request's own `budget` runs under the quality loop."""

@@ -61,6 +61,7 @@ class Decision:
     width: float = 1.0         # head / channel width ratio cap; 1.0 = what the plan says
     use_cache: bool = True     # serve exact repeats from the result cache
     tier_shift: float = 0.0    # move the tier thresholds this share of the way to 1 (Tiers.shifted)
+    weights: str | None = None  # decode steps' weight level (None: the decoder's; levers.py)
 
     def __post_init__(self):
         check_budget(self.budget)
@@ -104,18 +105,23 @@ class PIDPolicy(BasePolicy):
 
     With `max_tier_shift > 0` the controller's range goes on past the largest budget: output
     u gives budget min(u, max_budget) and tier shift u - max_budget beyond it, so under
-    sustained overload the tier thresholds rise and more requests take the light tiers."""
+    sustained overload the tier thresholds rise and more requests take the light tiers.
+
+    `levels` (levers.precision_ladder) come first: the output's first len(levels) units move
+    decode steps down the weight levels (level i from u >= i + 0.5), and the budget starts
+    beyond them, so the controller lowers precision before it skips."""
     name = "pid"
 
     def __init__(self, config: PIDConfig, target: str = "latency", max_budget: float = 1.0,
-                 max_tier_shift: float = 0.0):
+                 max_tier_shift: float = 0.0, levels: tuple[str, ...] = ()):
         if target not in ("latency", "quality"):
             raise ValueError(f"target must be 'latency' or 'quality', got {target!r}")
         if not 0 <= max_tier_shift <= 1:
             raise ValueError(f"max_tier_shift must be in [0, 1], got {max_tier_shift!r}")
-        self.max_budget = min(config.output_max, max_budget)
+        self.max_budget, self.levels = min(config.output_max, max_budget), tuple(levels)
         # a copy: the caller's config is not changed
-        config = dataclasses.replace(config, output_max=self.max_budget + max_tier_shift)
+        config = dataclasses.replace(
+            config, output_max=len(self.levels) + self.max_budget + max_tier_shift)
         self.controller = PIDController(config)
         self.target = target
         self._last_update: float | None = None
@@ -132,9 +138,11 @@ class PIDPolicy(BasePolicy):
         self.controller.update(measured, dt_periods=min(elapsed, 4.0))
 
     def decide(self, state: PolicyState) -> Decision:
-        output = self.controller.output
+        rung = min(len(self.levels), math.floor(self.controller.output + 0.5))
+        output = max(0.0, self.controller.output - len(self.levels))
         return Decision(budget=min(output, self.max_budget),
-                        tier_shift=min(1.0, max(0.0, output - self.max_budget)))
+                        tier_shift=min(1.0, max(0.0, output - self.max_budget)),
+                        weights=self.levels[rung - 1] if rung else None)
 
     def reset(self) -> None:
         self.controller.reset()

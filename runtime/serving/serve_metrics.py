@@ -37,6 +37,9 @@ class Metrics:
                                "admission: 0 none, 1 shrink (60%), 2 protect (80%), 3 shed (95%)", registry=r)
         self.budget = Gauge("rbcompile_decode_budget", "Budget (skipped MLP share) the controller "
                             "sets for completions without their own", registry=r)
+        self.weights_loss = Gauge("rbcompile_decode_weights_quality_loss", "Measured quality "
+                                  "loss of the weight level the controller sets for completions "
+                                  "without their own (0: the decoder's)", registry=r)
         self.result_hit_rate = Gauge("rbcompile_result_cache_hit_rate", "Share of embedding inputs "
                                      "answered from the result cache (exact repeats)", registry=r)
         self.result_bytes = Gauge("rbcompile_result_cache_bytes", "Bytes the result cache holds", registry=r)
@@ -72,6 +75,8 @@ class Metrics:
         self.engine = self.steps.engine = engine
         self.batch_rows.set_function(lambda: len(engine.running))
         self.budget.set_function(lambda: engine.budget or 0.0)
+        self.weights_loss.set_function(
+            lambda: engine.levels.levels[engine.weights].loss if engine.weights else 0.0)
         self.queued.set_function(lambda: engine.queued)
         self.kv_bytes.set_function(lambda: engine.cache.nbytes)
         if engine.prefix_cache is not None:

@@ -20,8 +20,9 @@ class PolicyOptions:
     policy_file: str | None = None
 
 
-def build_policy(options: PolicyOptions, max_budget: float):
-    """The policy `options` name (runtime/control/policy.py, runtime/control/ppo.py); pid's range ends at
+def build_policy(options: PolicyOptions, max_budget: float, levels: tuple[str, ...] = ()):
+    """The policy `options` name (runtime/control/policy.py, runtime/control/ppo.py); pid moves
+    down the weight `levels` first (levers.precision_ladder), then its budget up to
     `max_budget` (the largest the quality guard allows). A one-line UserError for options that
     do not go together."""
     if not options.slo_ms > 0:
@@ -32,7 +33,7 @@ def build_policy(options: PolicyOptions, max_budget: float):
         return StaticPolicy(options.budget)
     if options.policy == "pid":
         return PIDPolicy(PIDConfig(setpoint=options.slo_ms / 1000, period_s=0.25),
-                         max_budget=max_budget)
+                         max_budget=max_budget, levels=levels)
     from rbcompile.runtime.control.ppo import PPOPolicy  # torch-heavy: only for ppo
 
     policy = PPOPolicy.load(options.policy_file)

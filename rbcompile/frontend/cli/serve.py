@@ -41,6 +41,8 @@ def _cmd_serve(args) -> None:
     if args.replicas is not None or args.ray_address or args.replica_cpus is not None:
         raise UserError("--replicas, --ray-address and --replica-cpus go with --ray")
     try:
+        from rbcompile.artifact.executors import prepare_level
+        from rbcompile.runtime.control.levers import served_ladder
         from rbcompile.runtime.serving import connections
         from rbcompile.runtime.serving.http import create_app
         from rbcompile.runtime.serving.serve_policy import build_policy
@@ -57,13 +59,17 @@ def _cmd_serve(args) -> None:
         model.compile_plans()
     if args.cuda_graphs:
         model.use_cuda_graphs()
-    policy = build_policy(config.policy, max(_serving_budgets(model), default=0.0))
+    levels = served_ladder(model) if config.policy.policy == "pid" else ()
+    for level in levels:   # its sessions now: not in the first step under load
+        prepare_level(model, level)
+    policy = build_policy(config.policy, max(_serving_budgets(model), default=0.0), levels)
     app = create_app(model, config, policy=policy)
     print(f"quality guard: max quality loss {args.max_quality_loss:g}; {_guard_leaves(model)}",
           file=sys.stderr)
     if model.decoder is not None:
-        print(f"decode steps: {executor} executor, {model.decoder.weights} weights",
-              file=sys.stderr)
+        print(f"decode steps: {executor} executor, {model.decoder.weights} weights"
+              + (f"; under load pid lowers them to {', then '.join(levels)} before it skips"
+                 if levels else ""), file=sys.stderr)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
           f"http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr)
     _serve_until_signalled(partial(connections.serve, app, sock, connection_limits))
