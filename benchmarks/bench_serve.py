@@ -216,9 +216,11 @@ class Endpoint:
         await self.client.close()
 
 
-async def drive(endpoint: Endpoint, prompts: list[str], streams: int, max_tokens: int):
+async def drive(endpoint: Endpoint, prompts: list[str], streams: int, max_tokens: int,
+                rbcompile: dict | None = None):
     """`streams` concurrent client streams, each taking the next prompt when its last request
-    is done. Records in prompt order, and the level's wall seconds."""
+    is done (`rbcompile`: every request's extension object). Records in prompt order, and the
+    level's wall seconds."""
     queue: asyncio.Queue = asyncio.Queue()
     for index, prompt in enumerate(prompts):
         queue.put_nowait((index, prompt))
@@ -227,7 +229,8 @@ async def drive(endpoint: Endpoint, prompts: list[str], streams: int, max_tokens
     async def client():
         while not queue.empty():
             index, prompt = queue.get_nowait()
-            records[index] = await endpoint.request(prompt, max_tokens, usage=endpoint.usage)
+            records[index] = await endpoint.request(prompt, max_tokens, usage=endpoint.usage,
+                                                    rbcompile=rbcompile)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(streams)))
