@@ -27,12 +27,8 @@ from rbcompile.artifact.cache_pool import CachePool, zeros
 from rbcompile.artifact.decoder import DecoderShape
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.drafters import LightDrafter, Proposal
-from rbcompile.runtime.engine.kv_cache import (
-    BatchKVCache,
-    copy_blocks,
-    power_of_two_at_least,
-    release_freed_memory,
-)
+from rbcompile.runtime.engine.kv_cache import BatchKVCache, copy_blocks, release_freed_memory
+from rbcompile.runtime.engine.logprobs import record as record_logprobs
 from rbcompile.runtime.engine.prefix_cache import PrefixCache
 from rbcompile.runtime.engine.requests import (
     ChunkedPrefill,
@@ -325,14 +321,17 @@ class BatchEngine:
                 continue
             if request.keep_first_logits:
                 request.first_logits = logits
-            self._emit(request, int(request.sampling.choose(logits[None], self.generators[request])))
+            token = int(request.sampling.choose(logits[None], self.generators[request]))
+            record_logprobs(request, logits[None], [token])
+            self._emit(request, token)
 
     def _decode(self) -> None:
         """One step over every running row: its pending token and its drafts, if any."""
         cache, started = self.cache, perf_counter()
         self._check_s = 0.0
         config = self.config
-        limit = min(config.draft_tokens, config.verify_tokens // self._step_rows(cache.active) - 1)
+        limit = min(config.draft_tokens,
+                    config.verify_tokens // cache.step_rows(config.batch_buckets) - 1)
         reach = max((min(limit, r.draft_length) for r in self.running if r.speculate != "off"),
                     default=0)
         cache.reserve_step(1 + max(reach, 0))   # the light path drafts in the step's slots
@@ -344,6 +343,8 @@ class BatchEngine:
                for request, draft in zip(self.running, drafts)]
         logits = self._checked_step(self._step_inputs(ids, 0), self._budget(self.running))
         emitted = self._verify(logits, proposals)
+        for request, row_logits, tokens in zip(self.running, logits, emitted):
+            record_logprobs(request, row_logits, tokens)
         cache.advance_rows([len(tokens) - 1 for tokens in emitted], width)
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self.running)
@@ -361,27 +362,9 @@ class BatchEngine:
                     break
         self._leave_finished()
 
-    def _step_rows(self, active: int) -> int:
-        """Rows a decode step runs: the running ones, or their batch bucket."""
-        if not self.config.batch_buckets:
-            return active
-        return min(power_of_two_at_least(active), self.cache.rows)
-
     def _step_inputs(self, ids: list[list[int]], offset: int) -> tuple:
-        """A step's inputs for `ids` [running rows][width] written `offset` slots past the
-        cache's length (a batch bucket's idle rows run zeros)."""
-        cache, active = self.cache, self.cache.active
-        rows = slice(0, self._step_rows(active))
-        width = len(ids[0])
-        ids = ids + [[0] * width] * (rows.stop - active)
-        positions = cache.positions(rows)
-        if rows.stop > active:  # idle rows: finite positions (their mask is all ones)
-            positions[active:] = 0
-        offsets = cache.slots[:width]
-        start = cache.length + offset
-        return (torch.tensor(ids, device=self.shape.device), cache.attention_mask(rows),
-                positions[:, None] + offsets + offset, cache.slots[start:start + width],
-                offsets, cache.views(rows))
+        """A decode step's inputs (`BatchKVCache.step_inputs`)."""
+        return self.cache.step_inputs(ids, offset, self.config.batch_buckets, self.shape.device)
 
     def _light_forward(self, step: Callable, tokens: list[int], offset: int) -> torch.Tensor:
         """A drafter's `step` logits [rows, vocab], one token per row `offset` slots on."""

@@ -186,6 +186,25 @@ class BatchKVCache:
                 self.skipped[row] += most - count
         self.length += most + 1
 
+    def step_rows(self, buckets: bool) -> int:
+        """Rows a decode step runs: the active ones, or with `buckets` their batch bucket."""
+        return min(power_of_two_at_least(self.active), self.rows) if buckets else self.active
+
+    def step_inputs(self, ids: list[list[int]], offset: int, buckets: bool, device) -> tuple:
+        """A decode step's inputs for `ids` [active rows][width] written `offset` slots past
+        `length` (with `buckets`, a batch bucket's idle rows run zeros)."""
+        rows, active = slice(0, self.step_rows(buckets)), self.active
+        width = len(ids[0])
+        ids = ids + [[0] * width] * (rows.stop - active)
+        positions = self.positions(rows)
+        if rows.stop > active:  # idle rows: finite positions (their mask is all ones)
+            positions[active:] = 0
+        offsets = self.slots[:width]
+        start = self.length + offset
+        return (torch.tensor(ids, device=device), self.attention_mask(rows),
+                positions[:, None] + offsets + offset, self.slots[start:start + width],
+                offsets, self.views(rows))
+
     def _reserve(self, slots: int) -> None:
         if slots <= self.capacity:
             return

@@ -95,6 +95,8 @@ class EngineRequest:
     weights: str | None = None      # the lowest weight level it allows (None: the decoder's;
     # its forwards run at least as precise: weight_levels.py)
     weights_run: str | None = None  # the least precise level any of its forwards ran
+    logprobs: int | None = None     # keep each token's logprob and this many alternatives
+    token_logprobs: list = field(default_factory=list)   # logprobs.TokenLogprob per token
 
     @property
     def tokens(self) -> list[int]:

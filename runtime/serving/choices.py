@@ -9,23 +9,28 @@ from typing import Callable, Protocol
 from starlette.responses import StreamingResponse
 
 from rbcompile.artifact.guard import GuardedPlan
+from rbcompile.runtime.serving.logprob_format import TokenTexts, chat_logprobs, completion_logprobs
 from rbcompile.runtime.serving.serve_metrics import Metrics
 
 
 class ChoiceFormat(Protocol):
     """How a generation endpoint shapes a choice: whole (`choice`), and streamed as the choice
-    dicts of the chunks that open it, add text to it, and end it."""
+    dicts of the chunks that open it, add text to it, and end it; `logprobs` (the shape of
+    `logprobs` objects, logprob_format.py) is None where none were asked."""
     object: str
     chunk_object: str
     id_prefix: str
 
-    def choice(self, index: int, text: str, finish_reason: str) -> dict: ...
+    def choice(self, index: int, text: str, finish_reason: str, logprobs=None) -> dict: ...
 
     def opening(self, index: int) -> list[dict]: ...
 
-    def delta(self, index: int, text: str) -> dict: ...
+    def delta(self, index: int, text: str, logprobs=None) -> dict: ...
 
-    def ending(self, index: int, rest: str, finish_reason: str) -> list[dict]: ...
+    def ending(self, index: int, rest: str, finish_reason: str, logprobs=None) -> list[dict]: ...
+
+    def logprobs(self, entries: list, tokens: list[int], texts: TokenTexts,
+                 offset: int = 0) -> dict: ...
 
 
 class CompletionFormat:
@@ -33,17 +38,21 @@ class CompletionFormat:
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def choice(self, index, text, finish_reason):
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(self, index, text, finish_reason, logprobs=None):
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def opening(self, index):
         return []
 
-    def delta(self, index, text):
-        return self.choice(index, text, None)
+    def delta(self, index, text, logprobs=None):
+        return self.choice(index, text, None, logprobs)
 
-    def ending(self, index, rest, finish_reason):
-        return [self.choice(index, rest, finish_reason)]
+    def ending(self, index, rest, finish_reason, logprobs=None):
+        return [self.choice(index, rest, finish_reason, logprobs)]
+
+    @staticmethod
+    def logprobs(entries, tokens, texts, offset=0):
+        return completion_logprobs(entries, tokens, texts, offset)
 
 
 class ChatFormat:
@@ -52,22 +61,28 @@ class ChatFormat:
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def choice(self, index, text, finish_reason):
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
+    def choice(self, index, text, finish_reason, logprobs=None):
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
 
     def opening(self, index):
         return [self._chunk(index, {"role": "assistant", "content": ""})]
 
-    def delta(self, index, text):
-        return self._chunk(index, {"content": text})
+    def delta(self, index, text, logprobs=None):
+        return self._chunk(index, {"content": text}, logprobs=logprobs)
 
-    def ending(self, index, rest, finish_reason):
-        return ([self.delta(index, rest)] if rest else []) + [self._chunk(index, {}, finish_reason)]
+    def ending(self, index, rest, finish_reason, logprobs=None):
+        return ([self.delta(index, rest, logprobs)] if rest or logprobs else []) + \
+            [self._chunk(index, {}, finish_reason)]
 
     @staticmethod
-    def _chunk(index: int, delta: dict, finish_reason: str | None = None) -> dict:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def logprobs(entries, tokens, texts, offset=0):
+        return chat_logprobs(entries, texts)
+
+    @staticmethod
+    def _chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason}
 
 
 COMPLETION, CHAT = CompletionFormat(), ChatFormat()
@@ -94,8 +109,10 @@ class TokenRun:
     engine itself); `close()` runs when the events end."""
 
     def __init__(self, events, counts: Callable[[], tuple[int, int]],
-                 plan: Callable[[], dict], close: Callable[[], None] = lambda: None):
+                 plan: Callable[[], dict], close: Callable[[], None] = lambda: None,
+                 requests: list | None = None):
         self.counts, self.plan, self.started, self.tokens = counts, plan, time.perf_counter(), 0
+        self.requests = requests or []   # the engine requests of its choices (their logprobs)
         self._close, self.closed = close, False
         self.events = self._counted(events)
 

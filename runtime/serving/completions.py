@@ -20,6 +20,7 @@ from rbcompile.artifact.guard import DECODER, GuardedPlan, guard_budget
 from rbcompile.errors import first_line
 from rbcompile.runtime.control.admission import QOS_CLASSES, Overloaded, admit
 from rbcompile.runtime.engine.consistency import VoteOptions
+from rbcompile.runtime.engine.logprobs import prompt_logprobs
 from rbcompile.runtime.engine.requests import EngineRequest
 from rbcompile.runtime.engine.sampling import SamplingConfig
 from rbcompile.runtime.engine.vote_sampling import check_vote, start_vote, vote_result, vote_rows
@@ -32,6 +33,7 @@ from rbcompile.runtime.serving.choices import (
     deliver,
     plan_headers,
 )
+from rbcompile.runtime.serving.logprob_format import Echo, join_logprobs, kept_tokens
 from rbcompile.runtime.serving.model_worker import log
 from rbcompile.runtime.serving.openai_api import (
     ApiError,
@@ -68,9 +70,13 @@ class CompletionEndpoints(Service):
 
     async def complete(self, body: CompletionRequest, request: Request):
         self._check_model(body.model, "decoder", "/v1/completions", "/v1/embeddings")
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        one = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
+        prompts = [body.prompt] if one else body.prompt
         stop = self._check_work(body, len(prompts), "prompt")
-        batch = await self._off_loop(self._encode, prompts, "prompt")
+        if prompts and not isinstance(prompts[0], str):   # token ids
+            batch = self._token_batch(prompts, "prompt")
+        else:
+            batch = await self._off_loop(self._encode, prompts, "prompt")
         return await self._respond(body, batch, stop, COMPLETION, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -85,7 +91,7 @@ class CompletionEndpoints(Service):
 
     def _chat_batch(self, messages: list) -> dict:
         try:
-            text = self.tokenizer.apply_chat_template([m.model_dump() for m in messages],
+            text = self.tokenizer.apply_chat_template([m.as_template() for m in messages],
                                                       add_generation_prompt=True, tokenize=False)
         except TemplateError as error:
             raise ApiError(400, f"the chat template refused the messages: {first_line(error)}",
@@ -106,6 +112,13 @@ class CompletionEndpoints(Service):
                            param)
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options goes with stream: true", "stream_options")
+        if field := body.unsupported():
+            raise ApiError(400, f"'{field}' is not supported by this server at that value "
+                           f"(only its default, which changes nothing)", field)
+        if body.rbcompile.consistency is not None and (
+                body.logprob_alternatives() is not None or getattr(body, "echo", False)):
+            raise ApiError(400, "rbcompile.consistency answers with a voted sample's text: no "
+                           "logprobs or echo", "rbcompile")
         return self._stops(body.stop)
 
     def _stops(self, stop: str | list[str] | None) -> list[str]:
@@ -137,21 +150,48 @@ class CompletionEndpoints(Service):
             self.metrics.drafter.labels(body.rbcompile.speculate).inc()
             if body.rbcompile.budget is not None:  # what runs: the guarded plan's budget
                 body.rbcompile.budget = job.asked.budget
+            job.echo = await self._echo(job) if getattr(body, "echo", False) else None
             run = self._batched(job)
         except BaseException:
             job.release()
             raise
         if body.stream:
             counted = prompt_tokens if body.stream_options and body.stream_options.include_usage else None
-            return RunStream(run, self._sse(run, header, fmt, choices, stop, max_tokens, counted),
+            return RunStream(run, self._sse(run, job, header, fmt, counted),
                              media_type="text/event-stream", headers=plan_headers(job.asked))
         tokens = await until_disconnected(request, _collect(run, choices))
         run.record(self.metrics)
         return {**header,
-                "choices": [fmt.choice(index, *self._ending(row, stop, max_tokens))
+                "choices": [self._choice(job, run, fmt, index, row)
                             for index, row in enumerate(tokens)],
                 "usage": usage(prompt_tokens, sum(len(row) for row in tokens)),
                 "rbcompile": {"plan": run.plan()}}
+
+    async def _echo(self, job: "_Job") -> list[Echo]:
+        """`echo`: each prompt's text and, with `logprobs`, its tokens' logprobs (one more
+        forward of the full path over it, on the model thread)."""
+        top, decoder, echoes = job.body.logprob_alternatives(), self.compiled.decoder, []
+        for prompt in job.prompts:
+            entries = None if top is None else await self.worker.call(
+                prompt_logprobs, decoder, decoder.shape, prompt, top)
+            echoes.append(Echo(self._decode(prompt), prompt, entries))
+        return echoes
+
+    def _choice(self, job: "_Job", run: TokenRun, fmt: ChoiceFormat, index: int,
+                tokens: list[int]) -> dict:
+        """A whole choice: its text cut at a stop string, its finish_reason, and with
+        `logprobs` those of the tokens its text holds; with `echo`, the prompt's before them."""
+        text, reason = self._ending(tokens, job.stop, job.max_tokens)
+        echo = job.echo[index // job.body.n] if job.echo else None
+        logprobs = None
+        if job.body.logprob_alternatives() is not None:
+            kept = kept_tokens(tokens, text, self._decode)
+            logprobs = fmt.logprobs(run.requests[index].token_logprobs[:kept], tokens[:kept],
+                                    self.token_texts, len(echo.text) if echo else 0)
+            if echo:
+                logprobs = join_logprobs(fmt.logprobs(echo.entries, echo.tokens,
+                                                      self.token_texts), logprobs)
+        return fmt.choice(index, echo.text + text if echo else text, reason, logprobs)
 
     async def _admit(self, qos: str, job: "_Job") -> None:
         """Refuse a request's choices with 503 when the watermarks or the queue say so (and
@@ -189,6 +229,7 @@ class CompletionEndpoints(Service):
                         prompt, job.max_tokens, _sampling(body, index), job.stop,
                         body.rbcompile.budget, priority=QOS_CLASSES.index(body.rbcompile.qos),
                         client=job.client, speculate=body.rbcompile.speculate,
+                        logprobs=body.logprob_alternatives(),
                         on_token=partial(deliver, loop, queue, index),
                         on_finish=lambda request, index=index: deliver(loop, queue, index, None)))
                 if len(group) <= engine.max_batch:
@@ -208,7 +249,7 @@ class CompletionEndpoints(Service):
         return TokenRun(self._engine_events(requests, queue), lambda: (
             sum(r.drafted for r in requests), sum(r.accepted for r in requests)),
             lambda: self._plan_report(job.asked, max(r.budget_run for r in requests),
-                                      [r.weights_run for r in requests]), close)
+                                      [r.weights_run for r in requests]), close, requests)
 
     async def _engine_events(self, requests: list[EngineRequest], queue: asyncio.Queue):
         """(choice, token) as the engine emits them; stopping early (a client gone) cancels
@@ -307,17 +348,22 @@ class CompletionEndpoints(Service):
         ended = stopped or (tokens and tokens[-1] in self.eos) or len(tokens) < max_tokens
         return text, "stop" if ended else "length"
 
-    async def _sse(self, run: TokenRun, header: dict, fmt: ChoiceFormat, choices: int, stop: list[str],
-                   max_tokens: int, usage_prompt_tokens: int | None = None):
-        """Server-sent events: the chunks opening each choice, a chunk per token with the text
-        it adds, the chunks ending each choice with its finish_reason, with
-        `usage_prompt_tokens` a chunk with no choices and the usage, then [DONE]."""
+    async def _sse(self, run: TokenRun, job: "_Job", header: dict, fmt: ChoiceFormat,
+                   usage_prompt_tokens: int | None = None):
+        """Server-sent events: the chunks opening each choice (with `echo`, the prompt), a
+        chunk per token with the text it adds (and the logprobs of the tokens since the last),
+        the chunks ending each choice with its finish_reason, with `usage_prompt_tokens` a chunk
+        with no choices and the usage, then [DONE]."""
         def chunk(choice: dict) -> str:
             return f"data: {_json({**header, 'choices': [choice]})}\n\n"
 
+        stop, max_tokens, choices = job.stop, job.max_tokens, job.choices
+        logprobs = _StreamLogprobs(run, fmt, self.token_texts, job)
         for index in range(choices):
             for choice in fmt.opening(index):
                 yield chunk(choice)
+            if job.echo:
+                yield chunk(fmt.delta(index, *logprobs.echo(index)))
         streams = [TextStream(self._decode, stop) for _ in range(choices)]
         first = True
         try:
@@ -326,15 +372,15 @@ class CompletionEndpoints(Service):
                     self.metrics.ttft.observe(time.perf_counter() - run.started)
                     first = False
                 if delta := streams[row].add(token):
-                    yield chunk(fmt.delta(row, delta))
+                    yield chunk(fmt.delta(row, delta, logprobs.since(row, streams[row].tokens)))
         except Exception as exc:  # the 200 is sent: report in the stream
             log.exception("generation failed mid-stream")
             yield f"data: {_json(error_body(first_line(exc), kind='server_error'))}\n\n"
             return
         run.record(self.metrics)
         for row, stream in enumerate(streams):
-            rest = stream.finish()
-            for choice in fmt.ending(row, rest, self._ending(stream.tokens, stop, max_tokens)[1]):
+            rest, reason = stream.finish(), self._ending(stream.tokens, stop, max_tokens)[1]
+            for choice in fmt.ending(row, rest, reason, logprobs.since(row, stream.tokens)):
                 yield chunk(choice)
         if usage_prompt_tokens is not None:
             total = usage(usage_prompt_tokens, sum(len(stream.tokens) for stream in streams))
@@ -354,11 +400,46 @@ class _Job:
     client: str
     choices: int
     release: Callable[[], None] = lambda: None
+    echo: list[Echo] | None = None   # per prompt, with `echo`
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """Each prompt's token ids, padding left out."""
+        return [row[mask.bool()].tolist() for row, mask in
+                zip(self.batch["input_ids"], self.batch["attention_mask"])]
+
+
+class _StreamLogprobs:
+    """The logprobs a stream's chunks carry: each choice's tokens since its last chunk (None
+    where none were asked); with `echo`, its prompt's first."""
+
+    def __init__(self, run: TokenRun, fmt: ChoiceFormat, texts, job: _Job):
+        self.run, self.fmt, self.texts, self.job = run, fmt, texts, job
+        self.asked = job.body.logprob_alternatives() is not None
+        self.sent = [0] * job.choices          # tokens reported per choice
+        self.offset = [0] * job.choices        # characters of text reported per choice
+
+    def echo(self, index: int) -> tuple[str, dict | None]:
+        echo = self.job.echo[index // self.job.body.n]
+        self.offset[index] = len(echo.text)
+        return echo.text, self.fmt.logprobs(echo.entries, echo.tokens, self.texts) \
+            if self.asked else None
+
+    def since(self, index: int, tokens: list[int]) -> dict | None:
+        if not self.asked or self.sent[index] == len(tokens):
+            return None
+        new, start = tokens[self.sent[index]:], self.sent[index]
+        self.sent[index] = len(tokens)
+        report = self.fmt.logprobs(self.run.requests[index].token_logprobs[start:len(tokens)],
+                                   new, self.texts, self.offset[index])
+        self.offset[index] += sum(len(self.texts(token)) for token in new)
+        return report
 
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest, index: int) -> SamplingConfig:
     """Choice `index`'s sampling: seeded `seed + index`, so each choice repeats on its own."""
-    return SamplingConfig(body.temperature > 0, body.temperature or 1.0, None,
+    return SamplingConfig(body.temperature > 0, body.temperature or 1.0,
+                          body.top_k if body.top_k and body.top_k > 0 else None,
                           body.top_p if body.top_p < 1 else None,
                           None if body.seed is None else body.seed + index)
 

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rbcompile.errors import check_unicode, first_line
 from rbcompile.runtime.control.admission import QOS_CLASSES
+from rbcompile.runtime.engine.logprobs import MAX_TOP_LOGPROBS
 from rbcompile.runtime.engine.requests import SPECULATE_MODES
 
 RETRY_AFTER_S = 1   # what a 503 (overloaded) tells the client to wait
@@ -68,37 +69,106 @@ class StreamOptions(_Strict):
 
 
 class _GenerationRequest(_Strict):
-    """The fields /v1/completions and /v1/chat/completions share."""
+    """The fields /v1/completions and /v1/chat/completions share. The penalties, `logit_bias`,
+    `min_p` and vLLM's `top_k` / `repetition_penalty` are accepted at the values that change
+    nothing (`unsupported` names any other)."""
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: dict[str, float] | None = None
     rbcompile: CompletionExtension = CompletionExtension()
+
+    def unsupported(self) -> str | None:
+        """The first field asking what this server cannot do yet (None: none)."""
+        changes = {"frequency_penalty": self.frequency_penalty != 0,
+                   "presence_penalty": self.presence_penalty != 0,
+                   "repetition_penalty": self.repetition_penalty != 1,
+                   "logit_bias": bool(self.logit_bias), "min_p": self.min_p > 0}
+        return next((name for name, changed in changes.items() if changed), None)
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]   # text, or token ids
     max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # alternatives per token
+    echo: bool = False            # the prompt's text and logprobs before the completion's
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
 
     def asked_tokens(self) -> tuple[int | None, str]:
         """(new tokens asked for, the field that asked)."""
         return self.max_tokens, "max_tokens"
 
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives per token to report (None: no logprobs)."""
+        return self.logprobs
+
+    def unsupported(self) -> str | None:
+        if self.best_of not in (None, self.n):
+            return "best_of"
+        return "suffix" if self.suffix else super().unsupported()
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_template(self) -> dict:
+        """The message as chat templates take it (text parts joined; 'developer' is the
+        system role under its newer name)."""
+        content = self.content if isinstance(self.content, str) or self.content is None \
+            else "".join(part.text for part in self.content)
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": content or ""}
+        return message | ({"name": self.name} if self.name else {})
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives per token to report (None: no logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported(self) -> str | None:
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            return "tools"
+        return super().unsupported()
 
     def asked_tokens(self) -> tuple[int | None, str]:
         """(new tokens asked for, the field that asked); None: as many as fit."""

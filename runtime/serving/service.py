@@ -7,9 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable
 
+import torch
+
 from rbcompile.runtime.control.admission import Watermarks
 from rbcompile.runtime.control.result_cache import ResultCache, fingerprint
 from rbcompile.runtime.serving.limits import ClientChoices, ServeLimits
+from rbcompile.runtime.serving.logprob_format import TokenTexts
 from rbcompile.runtime.serving.model_worker import ModelWorker
 from rbcompile.runtime.serving.openai_api import ApiError
 from rbcompile.runtime.serving.serve_metrics import Metrics
@@ -27,6 +30,7 @@ class Service:
         self.name = compiled.manifest["source"]["name"]
         self.created = int(time.time())
         self.tokenizer = compiled.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)   # logprobs' token strings
         if self.tokenizer.pad_token is None:  # left padding is masked: any token will do
             self.tokenizer.pad_token = self.tokenizer.eos_token
         eos = compiled.hf_config.get("eos_token_id")
@@ -50,12 +54,30 @@ class Service:
         side = "left" if self.compiled.family == "decoder" else "right"
         batch = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side=side,
                                add_special_tokens=add_special_tokens)
-        longest = int(batch["attention_mask"].sum(1).max())
+        self._check_length(int(batch["attention_mask"].sum(1).max()), param)
+        return batch
+
+    def _token_batch(self, prompts: list[list[int]], param: str) -> dict:
+        """Prompts given as token ids, as `_encode`'s batch (left-padded); every id checked
+        against the vocabulary."""
+        if not prompts or not all(prompts):
+            raise ApiError(400, f"'{param}' holds an empty prompt", param)
+        vocab = self.compiled.hf_config["vocab_size"]
+        if (bad := next((t for p in prompts for t in p if not 0 <= t < vocab), None)) is not None:
+            raise ApiError(400, f"token id {bad} is not in the vocabulary (0 to {vocab - 1})",
+                           param)
+        longest = max(map(len, prompts))
+        self._check_length(longest, param)
+        pad = self.tokenizer.pad_token_id
+        return {"input_ids": torch.tensor([[pad] * (longest - len(p)) + p for p in prompts]),
+                "attention_mask": torch.tensor([[0] * (longest - len(p)) + [1] * len(p)
+                                                for p in prompts])}
+
+    def _check_length(self, longest: int, param: str) -> None:
         most = self.compiled.max_positions - (self.compiled.family == "decoder")  # room for 1 token
         if longest > most:
             raise ApiError(400, f"a prompt has {longest} tokens; at most {most} fit the model's "
                            f"{self.compiled.max_positions} positions", param)
-        return batch
 
 
     async def _off_loop(self, fn, *args):

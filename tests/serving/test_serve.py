@@ -244,13 +244,13 @@ def test_chat_needs_a_chat_template(decoder_client, llama, monkeypatch):
 
 
 @pytest.mark.parametrize("body, message, param", [
-    ({"messages": MESSAGES, "logit_bias": {}}, "unknown field 'logit_bias'", "logit_bias"),
+    ({"messages": MESSAGES, "logit_bias": {"3": 5}}, "'logit_bias' is not supported", "logit_bias"),
     ({"messages": MESSAGES, "prompt": "the"}, "unknown field 'prompt'", "prompt"),
     ({"messages": []}, "'messages' is an empty list", "messages"),
-    ({"messages": [{"role": "tool", "content": "the"}]}, "'system', 'user' or 'assistant'",
-     "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "the", "name": "he"}]}, "unknown field 'messages.0.name'",
-     "messages.0.name"),
+    ({"messages": [{"role": "robot", "content": "the"}]},
+     "'system', 'developer', 'user', 'assistant' or 'tool'", "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "the", "audio": "he"}]},
+     "unknown field 'messages.0.audio'", "messages.0.audio"),
     ({"messages": MESSAGES, "max_tokens": 4, "max_completion_tokens": 4}, "not both", "max_tokens"),
     ({"messages": MESSAGES, "max_completion_tokens": 41},
      "max_completion_tokens=41 is over this server's limit", "max_completion_tokens"),
@@ -343,7 +343,7 @@ def test_models_health_metrics(decoder_client, llama):
 
 
 @pytest.mark.parametrize("body, message, param", [
-    ({"prompt": "the", "logit_bias": {}}, "unknown field 'logit_bias'", "logit_bias"),
+    ({"prompt": "the", "logit_bias": {"3": 5}}, "'logit_bias' is not supported", "logit_bias"),
     ({"prompt": "the", "rbcompile": {"qos": "urgent"}}, "'interactive', 'standard' or 'batch'", "rbcompile.qos"),
     ({"prompt": "the", "rbcompile": {"tier": 2}}, "unknown field 'rbcompile.tier'", "rbcompile.tier"),
     ({"prompt": "the", "n": 9}, "n=9 is over this server's limit of 8", "n"),

@@ -1,0 +1,136 @@
+"""The OpenAI API as clients use it (issue 47): token-id prompts, `logprobs` / `top_logprobs`
+equal to HF's log-softmax (with and without drafting, streamed and not), `echo` with the
+prompt's logprobs (what lm-eval's loglikelihood reads), and the fields clients send at values
+that change nothing, refused by name at values this server cannot honour."""
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from test_serve import CHAT_TEMPLATE, assert_refused
+
+from rbcompile.artifact.guard import QualityGuard
+from rbcompile.runtime.serving.http import create_app
+
+PROMPT = "the a of and to in"
+
+
+@pytest.fixture(scope="module")
+def served(compiled_tiny):
+    compiled, eager = compiled_tiny["llama"]
+    compiled.tokenizer.chat_template = CHAT_TEMPLATE
+    compiled.guard = QualityGuard()
+    return TestClient(create_app(compiled)), compiled, eager
+
+
+def _hf_logprobs(eager, ids: list[int]) -> torch.Tensor:
+    """HF's log-softmax at every position of `ids` [positions, vocab]."""
+    with torch.no_grad():
+        logits = eager(input_ids=torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def _complete(client, **body) -> dict:
+    response = client.post("/v1/completions", json={"temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize("speculate", ["off", "ngram"])
+def test_completion_logprobs_are_hf_log_softmax(served, speculate):
+    client, compiled, eager = served
+    ids = compiled.tokenizer(PROMPT)["input_ids"]
+    choice = _complete(client, prompt=ids, max_tokens=6, logprobs=3,
+                       rbcompile={"speculate": speculate})["choices"][0]
+    logprobs = choice["logprobs"]
+    tokens = compiled.generate(torch.tensor([ids]), max_new_tokens=6).tokens[0]
+    assert len(logprobs["token_logprobs"]) == len(tokens)
+    reference = _hf_logprobs(eager, ids + tokens)[len(ids) - 1:-1]
+    expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(logprobs["token_logprobs"]), expected, atol=1e-5)
+    for top, row in zip(logprobs["top_logprobs"], reference):
+        assert len(top) == 3
+        assert max(top.values()) == pytest.approx(float(row.max()), abs=1e-5)   # greedy
+    offsets = [0]
+    for token in logprobs["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs["text_offset"] == offsets
+
+
+def test_echo_gives_the_prompts_logprobs_as_lm_eval_reads_them(served):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1."""
+    client, compiled, eager = served
+    batch = [compiled.tokenizer(text)["input_ids"] for text in (PROMPT, "he she and")]
+    data = _complete(client, prompt=batch, max_tokens=1, logprobs=1, echo=True, seed=1234)
+    for ids, choice in zip(batch, sorted(data["choices"], key=lambda c: c["index"])):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(ids) + 1
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        reference = _hf_logprobs(eager, ids)
+        expected = reference[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        got = torch.tensor(logprobs["token_logprobs"][1:len(ids)])
+        assert torch.allclose(got, expected, atol=1e-5)
+        assert choice["text"].startswith(compiled.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def test_chat_logprobs_streamed_equal_whole(served):
+    client, _, _ = served
+    body = {"messages": [{"role": "developer", "content": "the a"},
+                         {"role": "user", "content": [{"type": "text", "text": "he "},
+                                                      {"type": "text", "text": "she"}]}],
+            "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert len(content) >= 1 and all(len(entry["top_logprobs"]) == 2 for entry in content)
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in content)
+    streamed = []
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                chunk = __import__("json").loads(line[6:])
+                for choice in chunk["choices"]:
+                    streamed += (choice["logprobs"] or {}).get("content", [])
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content])
+
+
+def test_token_prompts_give_the_texts_of_their_strings(served):
+    client, compiled, _ = served
+    ids = compiled.tokenizer(PROMPT)["input_ids"]
+    by_text = _complete(client, prompt=PROMPT, max_tokens=5)["choices"][0]["text"]
+    assert _complete(client, prompt=ids, max_tokens=5)["choices"][0]["text"] == by_text
+    assert _complete(client, prompt=[ids], max_tokens=5)["choices"][0]["text"] == by_text
+    vocab = compiled.hf_config["vocab_size"]
+    body = {"max_tokens": 2, "temperature": 0}
+    assert_refused(client.post("/v1/completions", json={**body, "prompt": [ids[0], vocab]}),
+                   f"token id {vocab} is not in the vocabulary", "prompt")
+    assert_refused(client.post("/v1/completions", json={**body, "prompt": [[]]}),
+                   "holds an empty prompt", "prompt")
+
+
+def test_fields_clients_send_at_their_defaults_are_accepted(served):
+    client, _, _ = served
+    plain = _complete(client, prompt=PROMPT, max_tokens=4)["choices"][0]["text"]
+    defaults = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "logprobs": None,
+                "echo": False, "logit_bias": {}, "suffix": None, "top_k": -1, "min_p": 0,
+                "repetition_penalty": 1.0, "user": "me"}
+    assert _complete(client, prompt=PROMPT, max_tokens=4, **defaults)["choices"][0]["text"] == plain
+
+
+@pytest.mark.parametrize("field, value", [
+    ("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.2),
+    ("logit_bias", {"5": 10}), ("min_p", 0.1), ("best_of", 3), ("suffix", "end")])
+def test_fields_that_would_change_the_result_are_refused_by_name(served, field, value):
+    client, _, _ = served
+    reply = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, field: value})
+    assert_refused(reply, f"'{field}' is not supported by this server", field)
+
+
+def test_chat_features_not_built_are_refused_by_name(served):
+    client, _, _ = served
+    body = {"messages": [{"role": "user", "content": "he"}], "max_tokens": 2}
+    assert_refused(client.post("/v1/chat/completions", json={
+        **body, "response_format": {"type": "json_object"}}), "'response_format'", "response_format")
+    assert_refused(client.post("/v1/chat/completions", json={
+        **body, "tools": [{"type": "function", "function": {"name": "f"}}]}), "'tools'", "tools")
+    assert_refused(client.post("/v1/chat/completions", json={**body, "top_logprobs": 2}),
+                   "top_logprobs needs logprobs: true", "top_logprobs")
+    reply = client.post("/v1/chat/completions", json={**body, "response_format": {"type": "text"}})
+    assert reply.status_code == 200
