@@ -14,7 +14,6 @@ from functools import partial
 from typing import Callable
 
 from fastapi import Request
-from jinja2 import TemplateError
 
 from rbcompile.artifact.guard import DECODER, GuardedPlan, guard_budget
 from rbcompile.errors import first_line
@@ -90,14 +89,8 @@ class CompletionEndpoints(Service):
                                    stop, CHAT, request)
 
     def _chat_batch(self, messages: list) -> dict:
-        try:
-            text = self.tokenizer.apply_chat_template([m.as_template() for m in messages],
-                                                      add_generation_prompt=True, tokenize=False)
-        except TemplateError as error:
-            raise ApiError(400, f"the chat template refused the messages: {first_line(error)}",
-                           "messages") from error
         # the template writes the special tokens it wants (a BOS): none are added again
-        return self._encode([text], "messages", add_special_tokens=False)
+        return self._encode([self._chat_text(messages)], "messages", add_special_tokens=False)
 
     def _check_work(self, body: CompletionRequest | ChatCompletionRequest, prompts: int,
                     param: str) -> list[str]:

@@ -9,9 +9,9 @@ import time
 from rbcompile.runtime.serving.openai_api import ApiError
 from rbcompile.runtime.serving.serve_metrics import Metrics
 
-PUBLIC_PATHS = ("/health",)
+PUBLIC_PATHS = ("/health", "/version")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health",
-             "/metrics")
+             "/metrics", "/tokenize", "/detokenize", "/version")
 
 
 class Gatekeeper:
@@ -20,9 +20,10 @@ class Gatekeeper:
     replayed to the app; a client gone before its body is whole gets nothing."""
 
     def __init__(self, app, *, metrics: Metrics, api_key: str | None, max_body_bytes: int,
-                 body_timeout_s: float = 30.0):
+                 body_timeout_s: float = 30.0, public_metrics: bool = False):
         self.app, self.metrics, self.api_key, self.max_body_bytes = app, metrics, api_key, max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.public = PUBLIC_PATHS + (("/metrics",) if public_metrics else ())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -68,7 +69,7 @@ class Gatekeeper:
         await self.app(scope, replay, send)
 
     def _check_key(self, scope) -> None:
-        if self.api_key is None or scope["path"] in PUBLIC_PATHS:
+        if self.api_key is None or scope["path"] in self.public:
             return
         headers = dict(scope["headers"])
         scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")

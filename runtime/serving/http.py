@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -39,7 +40,9 @@ from rbcompile.runtime.serving.openai_api import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
+    TokenizeRequest,
     error_body,
     validation_error,
 )
@@ -96,6 +99,7 @@ def create_app(compiled, config: ServeConfig = ServeConfig(), *, policy=None,
         metrics.registry.register(QualityCollector(controller))
     service = _Service(compiled, config.limits, metrics, worker, config.watermarks, memory, results)
     service.tier_weights = config.tier_weights
+    service.serve_as(config.served_model_name)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -107,10 +111,7 @@ def create_app(compiled, config: ServeConfig = ServeConfig(), *, policy=None,
         metrics.refresh()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": service.name, "object": "model", "created": service.created,
-                                            "owned_by": "rbcompile"}]}
+    _add_model_routes(app, service, compiled)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -126,8 +127,41 @@ def create_app(compiled, config: ServeConfig = ServeConfig(), *, policy=None,
 
     app.add_middleware(Gatekeeper, metrics=metrics, api_key=config.api_key,
                        max_body_bytes=config.limits.max_body_bytes,
-                       body_timeout_s=config.limits.body_timeout_s)
+                       body_timeout_s=config.limits.body_timeout_s,
+                       public_metrics=config.public_metrics)
     return app
+
+
+def _add_model_routes(app: FastAPI, service, compiled) -> None:
+    """/v1/models (and /v1/models/{id}), /version, and vLLM's /tokenize and /detokenize."""
+    def model_card() -> dict:
+        return {"id": service.name, "object": "model", "created": service.created,
+                "owned_by": "rbcompile", "max_model_len": compiled.max_positions}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model not in service.names:
+            raise ApiError(404, f"the model '{model}' does not exist", "model", "model_not_found")
+        return model_card()
+
+    @app.get("/version")
+    async def rbcompile_version():
+        return {"version": version("rbcompile")}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        service._check_model(body.model, compiled.family, "/tokenize", "/tokenize")
+        return await service._off_loop(service.tokenize, body.prompt, body.messages,
+                                       body.add_special_tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        service._check_model(body.model, compiled.family, "/detokenize", "/detokenize")
+        return await service._off_loop(service.detokenize, body.tokens)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -187,6 +187,20 @@ class EmbeddingRequest(_Strict):
     rbcompile: EmbeddingExtension = EmbeddingExtension()
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 def validation_error(errors: list[dict]) -> ApiError:
     """Pydantic's errors as a one-line 400 about the first field (a union's alternatives
     joined with 'or')."""

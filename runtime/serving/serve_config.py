@@ -14,7 +14,9 @@ from rbcompile.runtime.serving.serve_policy import PolicyOptions
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """`api_key`: with one, every path but /health needs `Authorization: Bearer <api_key>`.
+    """`api_key`: with one, every path but /health (and with `public_metrics`, /metrics)
+    needs `Authorization: Bearer <api_key>`. `served_model_name`: the model id clients send
+    (the source checkpoint's name is accepted too).
     `limits`: what a request may ask (runtime/serving/limits.py). Decoders' completions are
     continuously batched, at most `max_batch` rows at a time (1: one after another), with a
     prefix cache of `prefix_cache_mb` MiB of K/V blocks (0: none) and prompts longer than
@@ -27,6 +29,8 @@ class ServeConfig:
     the CLI applies them, Ray replicas when they load the artifact); `tier_weights`: the level
     each consistency tier's votes decode at (`VoteOptions.tier_weights`)."""
     api_key: str | None = None
+    served_model_name: str | None = None   # the model id (None: the source checkpoint's name)
+    public_metrics: bool = False           # /metrics without the API key
     limits: ServeLimits = field(default_factory=ServeLimits)
     max_batch: int = 16
     prefix_cache_mb: float = 256

@@ -8,7 +8,9 @@ from functools import partial
 from typing import Callable
 
 import torch
+from jinja2 import TemplateError
 
+from rbcompile.errors import first_line
 from rbcompile.runtime.control.admission import Watermarks
 from rbcompile.runtime.control.result_cache import ResultCache, fingerprint
 from rbcompile.runtime.serving.limits import ClientChoices, ServeLimits
@@ -28,6 +30,7 @@ class Service:
         self.watermarks, self.memory, self.results = watermarks, memory, results
         self.fingerprint = fingerprint(compiled)
         self.name = compiled.manifest["source"]["name"]
+        self.names = {self.name}   # the ids a request may name (`serve_as` adds the served one)
         self.created = int(time.time())
         self.tokenizer = compiled.tokenizer
         self.token_texts = TokenTexts(self.tokenizer)   # logprobs' token strings
@@ -43,8 +46,42 @@ class Service:
         if self.compiled.family != family:
             raise ApiError(400, f"{endpoint} serves {family} artifacts, not "
                            f"{self.compiled.family}s: use {other}")
-        if model is not None and model != self.name:
+        if model is not None and model not in self.names:
             raise ApiError(400, f"unknown model '{model}': this server serves '{self.name}'", "model")
+
+    def serve_as(self, name: str | None) -> None:
+        """Serve the model as `name` (None: its source checkpoint's name), which stays
+        accepted too."""
+        if name is not None:
+            self.name = name
+            self.names.add(name)
+
+    def _chat_text(self, messages: list) -> str:
+        """The chat template's text of `messages` (`ChatMessage`s), the assistant's turn open."""
+        if self.tokenizer.chat_template is None:
+            raise ApiError(400, f"model '{self.name}' has no chat template: use /v1/completions")
+        try:
+            return self.tokenizer.apply_chat_template([m.as_template() for m in messages],
+                                                      add_generation_prompt=True, tokenize=False)
+        except TemplateError as error:
+            raise ApiError(400, f"the chat template refused the messages: {first_line(error)}",
+                           "messages") from error
+
+    def tokenize(self, prompt: str | None, messages: list | None,
+                 add_special_tokens: bool) -> dict:
+        """vLLM's /tokenize: a prompt's token ids (or the chat template's of `messages`)."""
+        if (prompt is None) == (messages is None):
+            raise ApiError(400, "give 'prompt' or 'messages'", "prompt")
+        if messages is not None:
+            prompt, add_special_tokens = self._chat_text(messages), False
+        tokens = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        return {"count": len(tokens), "max_model_len": self.compiled.max_positions,
+                "tokens": tokens}
+
+    def detokenize(self, tokens: list[int]) -> dict:
+        """vLLM's /detokenize: token ids' text (ids checked against the vocabulary)."""
+        self._token_batch([tokens] if tokens else [[0]], "tokens")
+        return {"prompt": self.tokenizer.decode(tokens)}
 
     def _encode(self, texts: list[str], param: str, add_special_tokens: bool = True):
         """The texts as one batch (decoders left-padded for generate, encoders right-padded so

@@ -134,3 +134,39 @@ def test_chat_features_not_built_are_refused_by_name(served):
                    "top_logprobs needs logprobs: true", "top_logprobs")
     reply = client.post("/v1/chat/completions", json={**body, "response_format": {"type": "text"}})
     assert reply.status_code == 200
+
+
+def test_vllm_serve_conventions(tmp_path, served, monkeypatch, capsys):
+    """--api-key, --served-model-name (default: the artifact folder's name; the source's name
+    still accepted), /v1/models/{id}, /tokenize, /detokenize, /version, --public-metrics."""
+    from conftest import served_by_cli
+
+    from rbcompile.frontend.cli import main
+
+    _, compiled, _ = served
+    artifact = compiled.save(tmp_path / "my-model")
+    cli = served_by_cli(monkeypatch)
+    assert main(["serve", str(artifact), "--port", "0", "--api-key", "k3y",
+                 "--api-key-env", "X"]) == 2
+    assert "give --api-key or --api-key-env, not both" in capsys.readouterr().err
+    assert main(["serve", str(artifact), "--host", "0.0.0.0", "--port", "0", "--api-key", "k3y",
+                 "--public-metrics"]) == 0
+    client = TestClient(cli["app"])
+    key = {"Authorization": "Bearer k3y"}
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/metrics").status_code == 200 and client.get("/version").status_code == 200
+    assert [m["id"] for m in client.get("/v1/models", headers=key).json()["data"]] == ["my-model"]
+    assert client.get("/v1/models/my-model", headers=key).json()["id"] == "my-model"
+    missing = client.get("/v1/models/other", headers=key)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    source = compiled.manifest["source"]["name"]
+    for name in ("my-model", source):
+        body = {"model": name, "prompt": PROMPT, "max_tokens": 2}
+        assert client.post("/v1/completions", json=body, headers=key).status_code == 200
+    tokens = client.post("/tokenize", json={"prompt": PROMPT}, headers=key).json()
+    assert tokens["tokens"] == compiled.tokenizer(PROMPT)["input_ids"]
+    assert tokens["count"] == len(tokens["tokens"])
+    text = client.post("/detokenize", json={"tokens": tokens["tokens"]}, headers=key).json()
+    assert text["prompt"] == compiled.tokenizer.decode(tokens["tokens"])
+    assert_refused(client.post("/detokenize", json={"tokens": [10**9]}, headers=key),
+                   "is not in the vocabulary", "tokens")

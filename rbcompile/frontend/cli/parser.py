@@ -271,6 +271,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API "
                    "key every request but /health must send as 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", metavar="KEY", help="the API key itself (as `vllm serve` takes "
+                   "it; visible in the process list: --api-key-env keeps it out)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model id clients send and "
+                   "/v1/models lists (default: the artifact folder's name; the source "
+                   "checkpoint's name is accepted too)")
+    p.add_argument("--public-metrics", action="store_true", help="leave /metrics without the "
+                   "API key (for a Prometheus scraper)")
     add_limit_options(p)
     p.add_argument("--max-batch", type=int, default=16, help="decoders: most completions decoded "
                    "together, continuously batched (default 16; 1: one after another)")

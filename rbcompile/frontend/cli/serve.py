@@ -129,12 +129,18 @@ def _serve_until_signalled(serve) -> None:
 
 
 def _serve_api_key(args) -> str | None:
-    """The API key named by --api-key-env; refused when that variable is unset, or missing
-    when binding a non-loopback address."""
+    """The API key of --api-key, or the one named by --api-key-env; refused when that
+    variable is unset, or missing when binding a non-loopback address."""
     import ipaddress
 
     from rbcompile.errors import UserError
 
+    if args.api_key is not None and args.api_key_env:
+        raise UserError("give --api-key or --api-key-env, not both")
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise UserError("--api-key is empty")
+        return args.api_key
     if args.api_key_env:
         key = os.environ.get(args.api_key_env, "")
         if not key:
@@ -147,5 +153,5 @@ def _serve_api_key(args) -> str | None:
         loopback = False
     if not loopback:
         raise UserError(f"--host {args.host} is not a loopback address: serving it needs an API "
-                        "key (--api-key-env VAR, with the key in $VAR)")
+                        "key (--api-key KEY, or --api-key-env VAR with the key in $VAR)")
     return None

@@ -66,7 +66,12 @@ def serve_config(args: argparse.Namespace, api_key: str | None):
     from rbcompile.runtime.serving.serve_config import ServeConfig
     from rbcompile.runtime.serving.serve_policy import PolicyOptions
 
-    return ServeConfig(api_key=api_key, limits=limits_from(args)[0], max_batch=args.max_batch,
+    from pathlib import Path
+
+    name = args.served_model_name or Path(args.artifact).resolve().name
+    return ServeConfig(api_key=api_key, served_model_name=name,
+                       public_metrics=args.public_metrics,
+                       limits=limits_from(args)[0], max_batch=args.max_batch,
                        prefix_cache_mb=args.prefix_cache_mb,
                        prefill_chunk=args.prefill_chunk or None,
                        result_cache_mb=args.result_cache_mb,
