@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from rbcompile.errors import UserError
+from rbcompile.runtime.engine.penalties import Penalties, penalize
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class SamplingConfig:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    min_p: float | None = None      # drop tokens under min_p x the likeliest one's probability
+    penalties: Penalties | None = None   # applied to the logits first (penalties.py)
 
     def __post_init__(self):
         if self.do_sample and not self.temperature > 0:
@@ -34,6 +37,8 @@ class SamplingConfig:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"top_k must be >= 1, got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
 
     def generator(self, device) -> torch.Generator | None:
         """A generator seeded with `seed` (None: torch's global one); any integer, taken modulo
@@ -54,7 +59,12 @@ class SamplingConfig:
             drop = cumulative <= 1 - self.top_p   # the low tail holding <= 1 - top_p
             drop[..., -1] = False                 # the most likely token always stays
             scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        return scores.softmax(-1)
+        probabilities = scores.softmax(-1)
+        if self.min_p:
+            floor = self.min_p * probabilities.max(-1, keepdim=True).values
+            probabilities = probabilities.masked_fill(probabilities < floor, 0)
+            probabilities = probabilities / probabilities.sum(-1, keepdim=True)
+        return probabilities
 
     def choose(self, logits: torch.Tensor, generator=None) -> torch.Tensor:
         """One token per row of [rows, vocab] logits."""
@@ -64,12 +74,21 @@ class SamplingConfig:
 
 
 def verify_rows(logits: torch.Tensor, configs: list[SamplingConfig], drafts: list[list[int]],
-                generators: list, draft_probs: list[list[torch.Tensor]] | None = None
-                ) -> list[list[int]]:
+                generators: list, draft_probs: list[list[torch.Tensor]] | None = None,
+                histories: list[tuple[list[int], list[int]]] | None = None) -> list[list[int]]:
     """Each row's tokens from one batch step's logits [rows, width, vocab]: the drafts the full
     path keeps and the token after them (`verify`); a row without drafts, a token from its
     first position. `draft_probs`: per row, the distributions its drafts were drawn from ([]:
-    each proposed with probability 1)."""
+    each proposed with probability 1); `histories`: per row, (prompt, tokens emitted), which
+    its penalties read (penalties.py)."""
+    penalized = [index for index, config in enumerate(configs)
+                 if config.penalties is not None and config.penalties.active]
+    if penalized:   # a copy: the step's own logits stay raw (logprobs read them)
+        logits = logits.clone()
+        for index in penalized:
+            width = len(drafts[index]) + 1
+            logits[index, :width] = penalize(configs[index].penalties, logits[index, :width],
+                                             *histories[index], drafts[index])
     greedy = logits[:, 0].argmax(-1).tolist()
     emitted = []
     for index, (config, draft, generator) in enumerate(zip(configs, drafts, generators)):

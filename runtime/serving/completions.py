@@ -20,6 +20,7 @@ from rbcompile.errors import first_line
 from rbcompile.runtime.control.admission import QOS_CLASSES, Overloaded, admit
 from rbcompile.runtime.engine.consistency import VoteOptions
 from rbcompile.runtime.engine.logprobs import prompt_logprobs
+from rbcompile.runtime.engine.penalties import Penalties
 from rbcompile.runtime.engine.requests import EngineRequest
 from rbcompile.runtime.engine.sampling import SamplingConfig
 from rbcompile.runtime.engine.vote_sampling import check_vote, start_vote, vote_result, vote_rows
@@ -105,6 +106,10 @@ class CompletionEndpoints(Service):
                            param)
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options goes with stream: true", "stream_options")
+        vocab = self.compiled.hf_config.get("vocab_size")
+        if vocab and any(int(token) >= vocab for token in body.logit_bias or {}):
+            raise ApiError(400, f"a logit_bias token id is not in the vocabulary (0 to "
+                           f"{vocab - 1})", "logit_bias")
         if field := body.unsupported():
             raise ApiError(400, f"'{field}' is not supported by this server at that value "
                            f"(only its default, which changes nothing)", field)
@@ -431,10 +436,14 @@ class _StreamLogprobs:
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest, index: int) -> SamplingConfig:
     """Choice `index`'s sampling: seeded `seed + index`, so each choice repeats on its own."""
+    penalties = Penalties(body.presence_penalty, body.frequency_penalty, body.repetition_penalty,
+                          tuple((int(t), v) for t, v in (body.logit_bias or {}).items()))
     return SamplingConfig(body.temperature > 0, body.temperature or 1.0,
                           body.top_k if body.top_k and body.top_k > 0 else None,
                           body.top_p if body.top_p < 1 else None,
-                          None if body.seed is None else body.seed + index)
+                          None if body.seed is None else body.seed + index,
+                          min_p=body.min_p or None,
+                          penalties=penalties if penalties.active else None)
 
 
 async def _collect(run: TokenRun, choices: int) -> list[list[int]]:

@@ -69,9 +69,9 @@ class StreamOptions(_Strict):
 
 
 class _GenerationRequest(_Strict):
-    """The fields /v1/completions and /v1/chat/completions share. The penalties, `logit_bias`,
-    `min_p` and vLLM's `top_k` / `repetition_penalty` are accepted at the values that change
-    nothing (`unsupported` names any other)."""
+    """The fields /v1/completions and /v1/chat/completions share (with vLLM's `top_k`, `min_p`
+    and `repetition_penalty`). `unsupported` names a field asked at a value this server cannot
+    honour yet."""
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -86,16 +86,21 @@ class _GenerationRequest(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None   # token id -> added to its logit
     rbcompile: CompletionExtension = CompletionExtension()
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias):
+        for token, value in (bias or {}).items():
+            if not token.isdigit() or not -100 <= value <= 100:
+                raise ValueError(f"maps token ids to values in [-100, 100], got {token!r}: "
+                                 f"{value!r}")
+        return bias
 
     def unsupported(self) -> str | None:
         """The first field asking what this server cannot do yet (None: none)."""
-        changes = {"frequency_penalty": self.frequency_penalty != 0,
-                   "presence_penalty": self.presence_penalty != 0,
-                   "repetition_penalty": self.repetition_penalty != 1,
-                   "logit_bias": bool(self.logit_bias), "min_p": self.min_p > 0}
-        return next((name for name, changed in changes.items() if changed), None)
+        return None
 
 
 class CompletionRequest(_GenerationRequest):

@@ -61,12 +61,12 @@ def limits_from(args: argparse.Namespace):
 
 def serve_config(args: argparse.Namespace, api_key: str | None):
     """The ServeConfig of parsed options (runtime/serving/serve_config.py)."""
+    from pathlib import Path
+
     from rbcompile.frontend.cli.guard import _guard_from
     from rbcompile.runtime.control.quality_loop import QualityLoopConfig
     from rbcompile.runtime.serving.serve_config import ServeConfig
     from rbcompile.runtime.serving.serve_policy import PolicyOptions
-
-    from pathlib import Path
 
     name = args.served_model_name or Path(args.artifact).resolve().name
     return ServeConfig(api_key=api_key, served_model_name=name,
