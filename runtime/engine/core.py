@@ -29,7 +29,6 @@ from rbcompile.errors import UserError
 from rbcompile.runtime.engine.drafters import LightDrafter, Proposal
 from rbcompile.runtime.engine.kv_cache import BatchKVCache, copy_blocks, release_freed_memory
 from rbcompile.runtime.engine.logprobs import record as record_logprobs
-from rbcompile.runtime.engine.penalties import penalize
 from rbcompile.runtime.engine.prefix_cache import PrefixCache
 from rbcompile.runtime.engine.requests import (
     ChunkedPrefill,
@@ -322,8 +321,8 @@ class BatchEngine:
                 continue
             if request.keep_first_logits:
                 request.first_logits = logits
-            scores = penalize(request.sampling.penalties, logits[None], request.prompt, [])
-            token = int(request.sampling.choose(scores, self.generators[request]))
+            token = int(request.sampling.choose(request.scores(logits[None]),
+                                                self.generators[request]))
             record_logprobs(request, logits[None], [token])
             self._emit(request, token)
 
@@ -379,7 +378,8 @@ class BatchEngine:
         emitted = verify_rows(logits, [request.sampling for request in self.running], drafts,
                               [self.generators[request] for request in self.running],
                               [proposal.probs for proposal in proposals],
-                              [(request.prompt, request.tokens) for request in self.running])
+                              [request.scores if request.adjusts else None
+                               for request in self.running])
         for request, draft, tokens in zip(self.running, drafts, emitted):
             kept = len(tokens) - 1 if draft else 0
             request.drafted += len(draft)
@@ -434,6 +434,8 @@ class BatchEngine:
 
     def _emit(self, request: EngineRequest, token: int) -> None:
         request.row.tokens.append(token)
+        if request.grammar is not None:
+            request.grammar.advance(token)
         self.speculation.extend(request, token)
         if request.first_token_at is None:
             request.first_token_at = perf_counter()

@@ -11,6 +11,8 @@ import torch
 
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.draft_policy import AutoPolicy, FixedPolicy
+from rbcompile.runtime.engine.grammar import Constraint
+from rbcompile.runtime.engine.penalties import penalize
 from rbcompile.runtime.engine.sampling import SamplingConfig
 from rbcompile.runtime.engine.stopping import RowTokens
 
@@ -97,10 +99,24 @@ class EngineRequest:
     weights_run: str | None = None  # the least precise level any of its forwards ran
     logprobs: int | None = None     # keep each token's logprob and this many alternatives
     token_logprobs: list = field(default_factory=list)   # logprobs.TokenLogprob per token
+    grammar: Constraint | None = None   # what its output must follow (grammar.py)
 
     @property
     def tokens(self) -> list[int]:
         return self.row.tokens
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether it chooses from other scores than the raw logits (`scores`)."""
+        penalties = self.sampling.penalties
+        return self.grammar is not None or (penalties is not None and penalties.active)
+
+    def scores(self, logits: torch.Tensor, drafts: list[int] = ()) -> torch.Tensor:
+        """What it chooses its next tokens from: `logits` [positions, vocab] penalized
+        (penalties.py) and masked by its grammar, position j as if `drafts[:j]` had been
+        emitted after its tokens."""
+        logits = penalize(self.sampling.penalties, logits, self.prompt, self.tokens, drafts)
+        return logits if self.grammar is None else self.grammar.masked(logits, drafts)
 
     @property
     def context(self) -> list[int]:

@@ -13,11 +13,12 @@ have q = one-hot. Greedy verification keeps drafts while they equal the argmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from rbcompile.errors import UserError
-from rbcompile.runtime.engine.penalties import Penalties, penalize
+from rbcompile.runtime.engine.penalties import Penalties
 
 
 @dataclass(frozen=True)
@@ -75,31 +76,27 @@ class SamplingConfig:
 
 def verify_rows(logits: torch.Tensor, configs: list[SamplingConfig], drafts: list[list[int]],
                 generators: list, draft_probs: list[list[torch.Tensor]] | None = None,
-                histories: list[tuple[list[int], list[int]]] | None = None) -> list[list[int]]:
+                adjusters: list[Callable | None] | None = None) -> list[list[int]]:
     """Each row's tokens from one batch step's logits [rows, width, vocab]: the drafts the full
     path keeps and the token after them (`verify`); a row without drafts, a token from its
     first position. `draft_probs`: per row, the distributions its drafts were drawn from ([]:
-    each proposed with probability 1); `histories`: per row, (prompt, tokens emitted), which
-    its penalties read (penalties.py)."""
-    penalized = [index for index, config in enumerate(configs)
-                 if config.penalties is not None and config.penalties.active]
-    if penalized:   # a copy: the step's own logits stay raw (logprobs read them)
-        logits = logits.clone()
-        for index in penalized:
-            width = len(drafts[index]) + 1
-            logits[index, :width] = penalize(configs[index].penalties, logits[index, :width],
-                                             *histories[index], drafts[index])
+    each proposed with probability 1); `adjusters`: per row, None or what turns its logits
+    [positions, vocab] and drafts into the scores it chooses from (`EngineRequest.scores`:
+    penalties, a grammar)."""
     greedy = logits[:, 0].argmax(-1).tolist()
     emitted = []
     for index, (config, draft, generator) in enumerate(zip(configs, drafts, generators)):
+        scores = logits[index, :len(draft) + 1]   # the step's logits stay raw (logprobs)
+        if adjusters and adjusters[index] is not None:
+            scores = adjusters[index](scores, draft)
+            greedy[index] = int(scores[0].argmax())
         if draft:
             probs = draft_probs[index] if draft_probs else []
-            kept, following = verify(config, logits[index, :len(draft) + 1],
-                                     torch.tensor(draft, device=logits.device),
+            kept, following = verify(config, scores, torch.tensor(draft, device=logits.device),
                                      torch.stack(probs) if probs else None, generator)
             emitted.append(draft[:kept] + [following])
         elif config.do_sample:
-            emitted.append([int(config.choose(logits[index, :1], generator))])
+            emitted.append([int(config.choose(scores[:1], generator))])
         else:
             emitted.append([greedy[index]])
     return emitted

@@ -33,7 +33,12 @@ from rbcompile.runtime.serving.choices import (
     deliver,
     plan_headers,
 )
-from rbcompile.runtime.serving.logprob_format import Echo, join_logprobs, kept_tokens
+from rbcompile.runtime.serving.logprob_format import (
+    Echo,
+    StreamLogprobs,
+    join_logprobs,
+    kept_tokens,
+)
 from rbcompile.runtime.serving.model_worker import log
 from rbcompile.runtime.serving.openai_api import (
     ApiError,
@@ -43,6 +48,7 @@ from rbcompile.runtime.serving.openai_api import (
     usage,
 )
 from rbcompile.runtime.serving.service import Service
+from rbcompile.runtime.serving.structured import ToolCallFormat, output_schema
 from rbcompile.runtime.serving.text_stream import TextStream, cut_at_stop
 
 
@@ -86,8 +92,10 @@ class CompletionEndpoints(Service):
         if not body.messages:
             raise ApiError(400, "'messages' is an empty list", "messages")
         stop = self._check_work(body, 1, "messages")
+        schema, tool_call = output_schema(body)   # structured output: a grammar per choice
         return await self._respond(body, await self._off_loop(self._chat_batch, body.messages),
-                                   stop, CHAT, request)
+                                   stop, ToolCallFormat() if tool_call else CHAT, request,
+                                   schema)
 
     def _chat_batch(self, messages: list) -> dict:
         # the template writes the special tokens it wants (a BOS): none are added again
@@ -114,9 +122,10 @@ class CompletionEndpoints(Service):
             raise ApiError(400, f"'{field}' is not supported by this server at that value "
                            f"(only its default, which changes nothing)", field)
         if body.rbcompile.consistency is not None and (
-                body.logprob_alternatives() is not None or getattr(body, "echo", False)):
+                body.logprob_alternatives() is not None or getattr(body, "echo", False)
+                or getattr(body, "response_format", None) or getattr(body, "tools", None)):
             raise ApiError(400, "rbcompile.consistency answers with a voted sample's text: no "
-                           "logprobs or echo", "rbcompile")
+                           "logprobs, echo, response_format or tools", "rbcompile")
         return self._stops(body.stop)
 
     def _stops(self, stop: str | list[str] | None) -> list[str]:
@@ -130,14 +139,16 @@ class CompletionEndpoints(Service):
         return stop
 
     async def _respond(self, body: CompletionRequest | ChatCompletionRequest, batch,
-                       stop: list[str], fmt: ChoiceFormat, request: Request):
-        """Generate `body.n` choices per row of `batch` (choice `row * n + k`), cut at `stop`:
-        the response, or with `stream` its server-sent events."""
+                       stop: list[str], fmt: ChoiceFormat, request: Request,
+                       schema: dict | None = None):
+        """Generate `body.n` choices per row of `batch` (choice `row * n + k`), cut at `stop`
+        (each following `schema`, a JSON schema, where given): the response, or with `stream`
+        its server-sent events."""
         max_tokens = self._max_new_tokens(*body.asked_tokens(), batch["input_ids"].shape[1])
         prompt_tokens = int(batch["attention_mask"].sum())
         choices = len(batch["input_ids"]) * body.n
         job = _Job(body, batch, stop, max_tokens, self._plan(body.rbcompile.budget),
-                   request.client.host if request.client else "", choices)
+                   request.client.host if request.client else "", choices, schema=schema)
         header = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}",
                   "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.name}
@@ -228,6 +239,7 @@ class CompletionEndpoints(Service):
                         body.rbcompile.budget, priority=QOS_CLASSES.index(body.rbcompile.qos),
                         client=job.client, speculate=body.rbcompile.speculate,
                         logprobs=body.logprob_alternatives(),
+                        grammar=job.schema and self.grammars.json_schema(job.schema),
                         on_token=partial(deliver, loop, queue, index),
                         on_finish=lambda request, index=index: deliver(loop, queue, index, None)))
                 if len(group) <= engine.max_batch:
@@ -356,7 +368,7 @@ class CompletionEndpoints(Service):
             return f"data: {_json({**header, 'choices': [choice]})}\n\n"
 
         stop, max_tokens, choices = job.stop, job.max_tokens, job.choices
-        logprobs = _StreamLogprobs(run, fmt, self.token_texts, job)
+        logprobs = StreamLogprobs(run, fmt, self.token_texts, job)
         for index in range(choices):
             for choice in fmt.opening(index):
                 yield chunk(choice)
@@ -369,8 +381,9 @@ class CompletionEndpoints(Service):
                 if first:
                     self.metrics.ttft.observe(time.perf_counter() - run.started)
                     first = False
-                if delta := streams[row].add(token):
-                    yield chunk(fmt.delta(row, delta, logprobs.since(row, streams[row].tokens)))
+                if (delta := streams[row].add(token)) and (choice := fmt.delta(
+                        row, delta, logprobs.since(row, streams[row].tokens))) is not None:
+                    yield chunk(choice)
         except Exception as exc:  # the 200 is sent: report in the stream
             log.exception("generation failed mid-stream")
             yield f"data: {_json(error_body(first_line(exc), kind='server_error'))}\n\n"
@@ -399,39 +412,13 @@ class _Job:
     choices: int
     release: Callable[[], None] = lambda: None
     echo: list[Echo] | None = None   # per prompt, with `echo`
+    schema: dict | None = None       # the JSON schema every choice follows
 
     @property
     def prompts(self) -> list[list[int]]:
         """Each prompt's token ids, padding left out."""
         return [row[mask.bool()].tolist() for row, mask in
                 zip(self.batch["input_ids"], self.batch["attention_mask"])]
-
-
-class _StreamLogprobs:
-    """The logprobs a stream's chunks carry: each choice's tokens since its last chunk (None
-    where none were asked); with `echo`, its prompt's first."""
-
-    def __init__(self, run: TokenRun, fmt: ChoiceFormat, texts, job: _Job):
-        self.run, self.fmt, self.texts, self.job = run, fmt, texts, job
-        self.asked = job.body.logprob_alternatives() is not None
-        self.sent = [0] * job.choices          # tokens reported per choice
-        self.offset = [0] * job.choices        # characters of text reported per choice
-
-    def echo(self, index: int) -> tuple[str, dict | None]:
-        echo = self.job.echo[index // self.job.body.n]
-        self.offset[index] = len(echo.text)
-        return echo.text, self.fmt.logprobs(echo.entries, echo.tokens, self.texts) \
-            if self.asked else None
-
-    def since(self, index: int, tokens: list[int]) -> dict | None:
-        if not self.asked or self.sent[index] == len(tokens):
-            return None
-        new, start = tokens[self.sent[index]:], self.sent[index]
-        self.sent[index] = len(tokens)
-        report = self.fmt.logprobs(self.run.requests[index].token_logprobs[start:len(tokens)],
-                                   new, self.texts, self.offset[index])
-        self.offset[index] += sum(len(self.texts(token)) for token in new)
-        return report
 
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest, index: int) -> SamplingConfig:

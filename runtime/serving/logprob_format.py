@@ -71,3 +71,31 @@ def kept_tokens(tokens: list[int], text: str, decode) -> int:
         else:
             low = middle + 1
     return low
+
+
+class StreamLogprobs:
+    """The logprobs a stream's chunks carry: each choice's tokens since its last chunk (None
+    where none were asked); with `echo`, its prompt's first. `run`: a choices.TokenRun, `fmt`:
+    its ChoiceFormat, `job`: the completions' checked request."""
+
+    def __init__(self, run, fmt, texts: TokenTexts, job):
+        self.run, self.fmt, self.texts, self.job = run, fmt, texts, job
+        self.asked = job.body.logprob_alternatives() is not None
+        self.sent = [0] * job.choices          # tokens reported per choice
+        self.offset = [0] * job.choices        # characters of text reported per choice
+
+    def echo(self, index: int) -> tuple[str, dict | None]:
+        echo = self.job.echo[index // self.job.body.n]
+        self.offset[index] = len(echo.text)
+        return echo.text, self.fmt.logprobs(echo.entries, echo.tokens, self.texts) \
+            if self.asked else None
+
+    def since(self, index: int, tokens: list[int]) -> dict | None:
+        if not self.asked or self.sent[index] == len(tokens):
+            return None
+        new, start = tokens[self.sent[index]:], self.sent[index]
+        self.sent[index] = len(tokens)
+        report = self.fmt.logprobs(self.run.requests[index].token_logprobs[start:len(tokens)],
+                                   new, self.texts, self.offset[index])
+        self.offset[index] += sum(len(self.texts(token)) for token in new)
+        return report

@@ -168,12 +168,6 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def unsupported(self) -> str | None:
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format"
-        if self.tools or self.tool_choice not in (None, "none", "auto"):
-            return "tools"
-        return super().unsupported()
 
     def asked_tokens(self) -> tuple[int | None, str]:
         """(new tokens asked for, the field that asked); None: as many as fit."""

@@ -13,6 +13,7 @@ from jinja2 import TemplateError
 from rbcompile.errors import first_line
 from rbcompile.runtime.control.admission import Watermarks
 from rbcompile.runtime.control.result_cache import ResultCache, fingerprint
+from rbcompile.runtime.engine.grammar import GrammarCompiler
 from rbcompile.runtime.serving.limits import ClientChoices, ServeLimits
 from rbcompile.runtime.serving.logprob_format import TokenTexts
 from rbcompile.runtime.serving.model_worker import ModelWorker
@@ -34,6 +35,7 @@ class Service:
         self.created = int(time.time())
         self.tokenizer = compiled.tokenizer
         self.token_texts = TokenTexts(self.tokenizer)   # logprobs' token strings
+        self._grammars: GrammarCompiler | None = None
         if self.tokenizer.pad_token is None:  # left padding is masked: any token will do
             self.tokenizer.pad_token = self.tokenizer.eos_token
         eos = compiled.hf_config.get("eos_token_id")
@@ -55,6 +57,13 @@ class Service:
         if name is not None:
             self.name = name
             self.names.add(name)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's grammar compiler for this tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer)
+        return self._grammars
 
     def _chat_text(self, messages: list) -> str:
         """The chat template's text of `messages` (`ChatMessage`s), the assistant's turn open."""

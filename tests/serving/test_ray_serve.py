@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from conftest import text_streamed_through_sigterm, unguarded
 from fastapi.testclient import TestClient
 
 import rbcompile
@@ -28,8 +29,6 @@ from rbcompile.runtime.serving.ray_serving import (
 )
 from rbcompile.runtime.serving.serve_config import ServeConfig
 from rbcompile.runtime.serving.serve_policy import PolicyOptions
-
-from conftest import text_streamed_through_sigterm, unguarded
 
 # serve's --max-quality-loss and --allow-unmeasured-plans, as the cluster controller gets them
 GUARD = {"max_quality_loss": 0.03, "allow_unmeasured": True}

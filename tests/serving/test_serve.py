@@ -10,6 +10,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from conftest import served_by_cli, text_streamed_through_sigterm, wait_for_health
 from fastapi.testclient import TestClient
 from tokenizers.processors import TemplateProcessing
 
@@ -21,8 +22,6 @@ from rbcompile.runtime.serving.limits import ServeLimits
 from rbcompile.runtime.serving.model_worker import ModelWorker
 from rbcompile.runtime.serving.serve_config import ServeConfig
 from rbcompile.runtime.serving.text_stream import TextStream
-
-from conftest import served_by_cli, text_streamed_through_sigterm, wait_for_health
 
 PROMPTS = ["the a of and to in", "he she"]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {{ eos_token }} {% endfor %}"

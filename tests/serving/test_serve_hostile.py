@@ -19,6 +19,7 @@ from dataclasses import replace
 import httpx
 import pytest
 import torch
+from conftest import wait_for_health
 from fastapi.testclient import TestClient
 
 import rbcompile
@@ -28,8 +29,6 @@ from rbcompile.runtime.serving.http import create_app
 from rbcompile.runtime.serving.limits import ConnectionLimits, ServeLimits
 from rbcompile.runtime.serving.serve_config import ServeConfig
 from rbcompile.runtime.serving.text_stream import StopPrefix, TextStream
-
-from conftest import wait_for_health
 
 PROMPT = "the a of and to in"
 
