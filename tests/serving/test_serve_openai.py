@@ -36,23 +36,25 @@ def _complete(client, **body) -> dict:
 
 @pytest.mark.parametrize("speculate", ["off", "ngram"])
 def test_completion_logprobs_are_hf_log_softmax(served, speculate):
+    """Two prompts batched (rows of different lengths in one step), with and without drafts."""
     client, compiled, eager = served
-    ids = compiled.tokenizer(PROMPT)["input_ids"]
-    choice = _complete(client, prompt=ids, max_tokens=6, logprobs=3,
-                       rbcompile={"speculate": speculate})["choices"][0]
-    logprobs = choice["logprobs"]
-    tokens = compiled.generate(torch.tensor([ids]), max_new_tokens=6).tokens[0]
-    assert len(logprobs["token_logprobs"]) == len(tokens)
-    reference = _hf_logprobs(eager, ids + tokens)[len(ids) - 1:-1]
-    expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(logprobs["token_logprobs"]), expected, atol=1e-5)
-    for top, row in zip(logprobs["top_logprobs"], reference):
-        assert len(top) == 3
-        assert max(top.values()) == pytest.approx(float(row.max()), abs=1e-5)   # greedy
-    offsets = [0]
-    for token in logprobs["tokens"][:-1]:
-        offsets.append(offsets[-1] + len(token))
-    assert logprobs["text_offset"] == offsets
+    batch = [compiled.tokenizer(text)["input_ids"] for text in (PROMPT, "he she and")]
+    choices = _complete(client, prompt=batch, max_tokens=6, logprobs=3,
+                        rbcompile={"speculate": speculate})["choices"]
+    for ids, choice in zip(batch, sorted(choices, key=lambda c: c["index"])):
+        logprobs = choice["logprobs"]
+        tokens = compiled.generate(torch.tensor([ids]), max_new_tokens=6).tokens[0]
+        assert len(logprobs["token_logprobs"]) == len(tokens)
+        reference = _hf_logprobs(eager, ids + tokens)[len(ids) - 1:-1]
+        expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(logprobs["token_logprobs"]), expected, atol=1e-5)
+        for top, row in zip(logprobs["top_logprobs"], reference):
+            assert len(top) == 3
+            assert max(top.values()) == pytest.approx(float(row.max()), abs=1e-5)   # greedy
+        offsets = [0]
+        for token in logprobs["tokens"][:-1]:
+            offsets.append(offsets[-1] + len(token))
+        assert logprobs["text_offset"] == offsets
 
 
 @pytest.mark.parametrize("executor", ["torch", "onnxruntime"])
