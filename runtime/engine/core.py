@@ -231,7 +231,8 @@ class BatchEngine:
         prompt, gates, shape = group[0].context, self._gates(group), self.shape
         kv = zeros(2 * shape.layers, (1, shape.kv_heads, len(prompt), shape.head_dim),
                    shape.dtype, shape.device)
-        blocks = self.prefix_cache.lookup(prompt, gates) if self.prefix_cache else []
+        blocks = self.prefix_cache.lookup(prompt, self._cache_key(group, gates)) \
+            if self.prefix_cache else []
         done = copy_blocks(kv, 0, 0, [block.tensors for block in blocks])
         self.stats.reused_prompt_tokens += done
         return ChunkedPrefill(group, kv, gates, done)
@@ -257,7 +258,7 @@ class BatchEngine:
         self.chunked = None
         kv = [tensor[0] for tensor in job.kv]
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(job.prompt, job.gates, kv)
+            self.prefix_cache.insert(job.prompt, self._cache_key(job.group, job.gates), kv)
         live = self._live(job.group)
         if not live:
             return
@@ -277,7 +278,8 @@ class BatchEngine:
         of its group, and emit each one's first token."""
         cache, device, gates = self.cache, self.shape.device, self._gates(self.running)
         prompts = [group[0].context for group in groups]
-        hits = [self.prefix_cache.lookup(prompt, gates) if self.prefix_cache else []
+        key = self._cache_key([request for group in groups for request in group], gates)
+        hits = [self.prefix_cache.lookup(prompt, key) if self.prefix_cache else []
                 for prompt in prompts]
         reused = [len(blocks) * (self.prefix_cache.block_tokens if blocks else 0) for blocks in hits]
         first = cache.active
@@ -305,7 +307,7 @@ class BatchEngine:
                 cache.fork(row)
         if self.prefix_cache is not None:
             for row, prompt in enumerate(prompts, first):
-                self.prefix_cache.insert(prompt, gates, cache.prompt_kv(row, len(prompt)))
+                self.prefix_cache.insert(prompt, key, cache.prompt_kv(row, len(prompt)))
         self.stats.prefills += len(prompts)
         self.stats.prefill_forwards += 1
         self.speculation.prefilled([group[0] for group in groups])
@@ -428,14 +430,18 @@ class BatchEngine:
         self.controller.checked(budget, sum(a == b for a, b in zip(light, full)), active)
         return logits
 
+    def _cache_key(self, requests: list[EngineRequest], gates):
+        """What the prefix cache keys a prefill's K/V by (`WeightLevels.cache_key`)."""
+        return self.levels.cache_key([r.weights or self.weights for r in requests], gates)
+
     def _step_of(self, requests: list[EngineRequest]) -> Callable:
         """The step of a forward over `requests`, at their weight level (`level_for`)."""
         return self.levels.step_for(requests, self.step_fn, self.weights)
 
     def _emit(self, request: EngineRequest, token: int) -> None:
         request.row.tokens.append(token)
-        if request.grammar is not None:
-            request.grammar.advance(token)
+        if request.grammar is not None and request.grammar.advance(token):
+            request.finish_reason = "stop"   # the grammar ended: nothing may follow
         self.speculation.extend(request, token)
         if request.first_token_at is None:
             request.first_token_at = perf_counter()

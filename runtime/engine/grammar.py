@@ -58,7 +58,8 @@ class Constraint:
     def __init__(self, matcher, llguidance, vocab: int):
         if sys.byteorder != "little":
             raise UserError("structured output reads llguidance's bitmask as little-endian")
-        self.matcher, self.torch_api, self.vocab = matcher, llguidance.torch, vocab
+        self.llguidance, self.matcher, self.vocab = llguidance, matcher, vocab
+        self.torch_api = llguidance.torch
         self.mask = self.torch_api.allocate_token_bitmask(1, vocab)
         self.seconds = 0.0   # spent computing masks (benchmarks read it)
 
@@ -74,8 +75,9 @@ class Constraint:
         allowed = self.matcher.validate_tokens(list(drafts)) if drafts else 0
         for position in range(allowed + 1):
             self.torch_api.fill_next_token_bitmask(self.matcher, self.mask, 0)
-            np.putmask(scores[position, :self.vocab], ~self._allowed(), -np.inf)
-            scores[position, self.vocab:] = -np.inf   # the head's padding ids
+            width = min(self.vocab, scores.shape[1])   # the tokenizer's ids the head scores
+            np.putmask(scores[position, :width], ~self._allowed()[:width], -np.inf)
+            scores[position, width:] = -np.inf   # the head's padding ids
             if position < allowed:
                 self.matcher.consume_token(drafts[position])
         if allowed:
@@ -83,12 +85,17 @@ class Constraint:
         self.seconds += time.perf_counter() - started
         return torch.from_numpy(scores).to(logits.device)
 
+    def fork(self) -> "Constraint":
+        """A constraint of its own in the same state (one per choice, compiled once)."""
+        return Constraint(self.matcher.deep_copy(), self.llguidance, self.vocab)
+
     def _allowed(self) -> np.ndarray:
         """The bitmask as bools [vocab] (llguidance's own torch apply took ~77 ms a call on
         this CPU)."""
         bits = np.unpackbits(self.mask.numpy().view(np.uint8), bitorder="little")
         return bits[:self.vocab].astype(bool)
 
-    def advance(self, token: int) -> None:
-        """`token` was emitted (one the grammar allowed)."""
-        self.matcher.consume_token(token)
+    def advance(self, token: int) -> bool:
+        """`token` was emitted (one the grammar allowed); whether the grammar has ended (its
+        end-of-text consumed, or nothing may follow: the row stops there)."""
+        return not self.matcher.consume_token(token) or self.matcher.is_stopped()

@@ -1,6 +1,8 @@
 """Log probabilities of tokens (OpenAI's `logprobs`, `top_logprobs` and `echo`): the log-softmax
-of the full path's raw logits at each token's position, before temperature and sampling filters
-(as vLLM reports them), with the most likely alternatives.
+of the raw logits each token was chosen from, before penalties, temperature and sampling filters
+(as vLLM reports them), with the most likely alternatives. Those are the full path's unless the
+row ran a lighter plan or weight level (a budget, a tier, the controller), then that forward's.
+An echoed prompt's are the full path's.
 
 A generated token's come from the logits it was chosen from: the prefill's for the first, then
 each decode step's at the token's position (with drafting, the verifying forward's, so they are

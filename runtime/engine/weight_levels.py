@@ -49,6 +49,13 @@ class WeightLevels:
         asked = {self.levels[name or self.default.name] for name in weights}
         return min(asked, key=lambda level: level.loss)
 
+    def cache_key(self, weights: list[str | None], gates):
+        """What K/V a forward over rows asking `weights` writes are cached under: its `gates`,
+        with its level's name where that is not the default's (one level's K/V are not
+        another's)."""
+        level = self.level_for(weights)
+        return gates if level is self.default else (level.name, gates)
+
     def least_precise(self, names: list[str | None]) -> WeightLevel:
         """The least precise of levels `names` that forwards ran (None: none; the default if
         none ran)."""

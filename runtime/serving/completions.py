@@ -19,6 +19,7 @@ from rbcompile.artifact.guard import DECODER, GuardedPlan, guard_budget
 from rbcompile.errors import first_line
 from rbcompile.runtime.control.admission import QOS_CLASSES, Overloaded, admit
 from rbcompile.runtime.engine.consistency import VoteOptions
+from rbcompile.runtime.engine.grammar import Constraint
 from rbcompile.runtime.engine.logprobs import prompt_logprobs
 from rbcompile.runtime.engine.penalties import Penalties
 from rbcompile.runtime.engine.requests import EngineRequest
@@ -148,7 +149,7 @@ class CompletionEndpoints(Service):
         prompt_tokens = int(batch["attention_mask"].sum())
         choices = len(batch["input_ids"]) * body.n
         job = _Job(body, batch, stop, max_tokens, self._plan(body.rbcompile.budget),
-                   request.client.host if request.client else "", choices, schema=schema)
+                   request.client.host if request.client else "", choices)
         header = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}",
                   "object": fmt.chunk_object if body.stream else fmt.object,
                   "created": int(time.time()), "model": self.name}
@@ -160,6 +161,8 @@ class CompletionEndpoints(Service):
             if body.rbcompile.budget is not None:  # what runs: the guarded plan's budget
                 body.rbcompile.budget = job.asked.budget
             job.echo = await self._echo(job) if getattr(body, "echo", False) else None
+            if schema is not None:   # compiled off the event loop, once
+                job.grammar = await self._off_loop(self._compile, schema)
             run = self._batched(job)
         except BaseException:
             job.release()
@@ -183,7 +186,8 @@ class CompletionEndpoints(Service):
         for prompt in job.prompts:
             entries = None if top is None else await self.worker.call(
                 prompt_logprobs, decoder, decoder.shape, prompt, top)
-            echoes.append(Echo(self._decode(prompt), prompt, entries))
+            # special tokens kept: the text its tokens' offsets point into
+            echoes.append(Echo(self.tokenizer.decode(prompt), prompt, entries))
         return echoes
 
     def _choice(self, job: "_Job", run: TokenRun, fmt: ChoiceFormat, index: int,
@@ -239,7 +243,7 @@ class CompletionEndpoints(Service):
                         body.rbcompile.budget, priority=QOS_CLASSES.index(body.rbcompile.qos),
                         client=job.client, speculate=body.rbcompile.speculate,
                         logprobs=body.logprob_alternatives(),
-                        grammar=job.schema and self.grammars.json_schema(job.schema),
+                        grammar=job.grammar and job.grammar.fork(),
                         on_token=partial(deliver, loop, queue, index),
                         on_finish=lambda request, index=index: deliver(loop, queue, index, None)))
                 if len(group) <= engine.max_batch:
@@ -390,8 +394,9 @@ class CompletionEndpoints(Service):
             return
         run.record(self.metrics)
         for row, stream in enumerate(streams):
-            rest, reason = stream.finish(), self._ending(stream.tokens, stop, max_tokens)[1]
-            for choice in fmt.ending(row, rest, reason, logprobs.since(row, stream.tokens)):
+            rest, (text, reason) = stream.finish(), self._ending(stream.tokens, stop, max_tokens)
+            kept = stream.tokens[:kept_tokens(stream.tokens, text, self._decode)]  # not past a stop
+            for choice in fmt.ending(row, rest, reason, logprobs.since(row, kept)):
                 yield chunk(choice)
         if usage_prompt_tokens is not None:
             total = usage(usage_prompt_tokens, sum(len(stream.tokens) for stream in streams))
@@ -412,7 +417,7 @@ class _Job:
     choices: int
     release: Callable[[], None] = lambda: None
     echo: list[Echo] | None = None   # per prompt, with `echo`
-    schema: dict | None = None       # the JSON schema every choice follows
+    grammar: Constraint | None = None   # the JSON schema every choice follows, forked per choice
 
     @property
     def prompts(self) -> list[list[int]]:

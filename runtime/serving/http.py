@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -150,13 +150,16 @@ def _add_model_routes(app: FastAPI, service, compiled) -> None:
 
     @app.get("/version")
     async def rbcompile_version():
-        return {"version": version("rbcompile")}
+        try:
+            return {"version": version("rbcompile")}
+        except PackageNotFoundError:   # a source tree not installed
+            return {"version": "unknown"}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         service._check_model(body.model, compiled.family, "/tokenize", "/tokenize")
         return await service._off_loop(service.tokenize, body.prompt, body.messages,
-                                       body.add_special_tokens)
+                                       body.add_special_tokens, body.add_generation_prompt)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

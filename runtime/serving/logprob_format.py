@@ -91,7 +91,7 @@ class StreamLogprobs:
             if self.asked else None
 
     def since(self, index: int, tokens: list[int]) -> dict | None:
-        if not self.asked or self.sent[index] == len(tokens):
+        if not self.asked or self.sent[index] >= len(tokens):
             return None
         new, start = tokens[self.sent[index]:], self.sent[index]
         self.sent[index] = len(tokens)

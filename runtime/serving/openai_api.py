@@ -93,7 +93,7 @@ class _GenerationRequest(_Strict):
     @classmethod
     def _bias(cls, bias):
         for token, value in (bias or {}).items():
-            if not token.isdigit() or not -100 <= value <= 100:
+            if not (token.isascii() and token.isdigit()) or not -100 <= value <= 100:
                 raise ValueError(f"maps token ids to values in [-100, 100], got {token!r}: "
                                  f"{value!r}")
         return bias

@@ -13,7 +13,7 @@ from jinja2 import TemplateError
 from rbcompile.errors import first_line
 from rbcompile.runtime.control.admission import Watermarks
 from rbcompile.runtime.control.result_cache import ResultCache, fingerprint
-from rbcompile.runtime.engine.grammar import GrammarCompiler
+from rbcompile.runtime.engine.grammar import Constraint, GrammarCompiler
 from rbcompile.runtime.serving.limits import ClientChoices, ServeLimits
 from rbcompile.runtime.serving.logprob_format import TokenTexts
 from rbcompile.runtime.serving.model_worker import ModelWorker
@@ -58,38 +58,40 @@ class Service:
             self.name = name
             self.names.add(name)
 
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """Structured output's grammar compiler for this tokenizer (built on first use)."""
+    def _compile(self, schema: dict) -> Constraint:
+        """Structured output's constraint of a JSON schema (the compiler for this tokenizer
+        built on first use; off the event loop: `_off_loop`)."""
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer)
-        return self._grammars
+        return self._grammars.json_schema(schema)
 
-    def _chat_text(self, messages: list) -> str:
-        """The chat template's text of `messages` (`ChatMessage`s), the assistant's turn open."""
+    def _chat_text(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """The chat template's text of `messages` (`ChatMessage`s), the assistant's turn open
+        (with `add_generation_prompt`)."""
         if self.tokenizer.chat_template is None:
             raise ApiError(400, f"model '{self.name}' has no chat template: use /v1/completions")
         try:
             return self.tokenizer.apply_chat_template([m.as_template() for m in messages],
-                                                      add_generation_prompt=True, tokenize=False)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         except TemplateError as error:
             raise ApiError(400, f"the chat template refused the messages: {first_line(error)}",
                            "messages") from error
 
-    def tokenize(self, prompt: str | None, messages: list | None,
-                 add_special_tokens: bool) -> dict:
+    def tokenize(self, prompt: str | None, messages: list | None, add_special_tokens: bool,
+                 add_generation_prompt: bool = True) -> dict:
         """vLLM's /tokenize: a prompt's token ids (or the chat template's of `messages`)."""
         if (prompt is None) == (messages is None):
             raise ApiError(400, "give 'prompt' or 'messages'", "prompt")
         if messages is not None:
-            prompt, add_special_tokens = self._chat_text(messages), False
+            prompt, add_special_tokens = self._chat_text(messages, add_generation_prompt), False
         tokens = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         return {"count": len(tokens), "max_model_len": self.compiled.max_positions,
                 "tokens": tokens}
 
     def detokenize(self, tokens: list[int]) -> dict:
         """vLLM's /detokenize: token ids' text (ids checked against the vocabulary)."""
-        self._token_batch([tokens] if tokens else [[0]], "tokens")
+        self._check_vocabulary(tokens, "tokens")
         return {"prompt": self.tokenizer.decode(tokens)}
 
     def _encode(self, texts: list[str], param: str, add_special_tokens: bool = True):
@@ -108,16 +110,20 @@ class Service:
         against the vocabulary."""
         if not prompts or not all(prompts):
             raise ApiError(400, f"'{param}' holds an empty prompt", param)
-        vocab = self.compiled.hf_config["vocab_size"]
-        if (bad := next((t for p in prompts for t in p if not 0 <= t < vocab), None)) is not None:
-            raise ApiError(400, f"token id {bad} is not in the vocabulary (0 to {vocab - 1})",
-                           param)
+        for prompt in prompts:
+            self._check_vocabulary(prompt, param)
         longest = max(map(len, prompts))
         self._check_length(longest, param)
         pad = self.tokenizer.pad_token_id
         return {"input_ids": torch.tensor([[pad] * (longest - len(p)) + p for p in prompts]),
                 "attention_mask": torch.tensor([[0] * (longest - len(p)) + [1] * len(p)
                                                 for p in prompts])}
+
+    def _check_vocabulary(self, tokens: list[int], param: str) -> None:
+        vocab = self.compiled.hf_config["vocab_size"]
+        if (bad := next((t for t in tokens if not 0 <= t < vocab), None)) is not None:
+            raise ApiError(400, f"token id {bad} is not in the vocabulary (0 to {vocab - 1})",
+                           param)
 
     def _check_length(self, longest: int, param: str) -> None:
         most = self.compiled.max_positions - (self.compiled.family == "decoder")  # room for 1 token

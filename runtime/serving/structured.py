@@ -10,6 +10,7 @@ format (as `vllm serve --tool-call-parser`): refused.
 """
 from __future__ import annotations
 
+import copy
 import json
 import uuid
 
@@ -52,11 +53,39 @@ def _tool_call_schema(tools: list[dict], choice) -> dict:
     else:
         raise ApiError(400, f"tool_choice must be 'none', 'required' or one of the tools' "
                        f"functions, got {choice!r}", "tool_choice")
-    calls = [{"type": "object", "properties": {"name": {"const": name},
-                                                "arguments": functions[name]},
+    defs: dict = {}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments":
+                                                _arguments_schema(name, functions[name], defs)},
               "required": ["name", "arguments"], "additionalProperties": False}
              for name in names]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _arguments_schema(name: str, parameters: dict, defs: dict) -> dict:
+    """A function's `parameters` as the call's `arguments`: its `$defs` / `definitions` moved
+    into `defs` under the function's name and its references rewritten (nested under the
+    call, references to its own root would not resolve; pydantic writes them)."""
+    parameters = copy.deepcopy(parameters)
+    for key in ("$defs", "definitions"):
+        defs.update({f"{name}.{d}": schema for d, schema in parameters.pop(key, {}).items()})
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                for prefix in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(prefix):
+                        node["$ref"] = f"#/$defs/{name}.{ref[len(prefix):]}"
+            for value in node.values():
+                rewrite(value)
+        elif isinstance(node, list):
+            for value in node:
+                rewrite(value)
+    rewrite(parameters)
+    for key in [k for k in defs if k.startswith(f"{name}.")]:
+        rewrite(defs[key])
+    return parameters
 
 
 class ToolCallFormat(ChatFormat):
@@ -65,6 +94,7 @@ class ToolCallFormat(ChatFormat):
 
     def __init__(self):
         self.held: dict[int, str] = {}
+        self.held_logprobs: dict[int, list] = {}   # chat logprobs `content` entries
 
     def choice(self, index, text, finish_reason, logprobs=None):
         call = _tool_call(text) if finish_reason == "stop" else None
@@ -76,10 +106,13 @@ class ToolCallFormat(ChatFormat):
 
     def delta(self, index, text, logprobs=None):
         self.held[index] = self.held.get(index, "") + text
+        self.held_logprobs.setdefault(index, []).extend((logprobs or {}).get("content", []))
         return None
 
     def ending(self, index, rest, finish_reason, logprobs=None):
         text = self.held.pop(index, "") + rest
+        held = self.held_logprobs.pop(index, []) + (logprobs or {}).get("content", [])
+        logprobs = {"content": held} if held or logprobs else None
         call = _tool_call(text) if finish_reason == "stop" else None
         if call is None:
             return super().ending(index, text, finish_reason, logprobs)

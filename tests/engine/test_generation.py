@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import TINY_VOCAB, make_tiny_model
 from transformers import StaticCache
 
 from rbcompile.artifact.decoder import DecoderShape
@@ -16,8 +17,6 @@ from rbcompile.runtime.engine.draft_policy import AutoPolicy
 from rbcompile.runtime.engine.drafters import NGramDrafter
 from rbcompile.runtime.engine.generation import generate, stream
 from rbcompile.runtime.engine.sampling import SamplingConfig
-
-from conftest import TINY_VOCAB, make_tiny_model
 
 EOS = 2
 LIGHT_GATES = [True, False, True, False]   # the light path skips the MLPs of layers 1 and 3

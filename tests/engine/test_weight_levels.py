@@ -112,3 +112,25 @@ def test_tier_weights_are_checked_when_given():
     with pytest.raises(UserError, match="tier_weights must be 'auto' or map samples"):
         VoteOptions(tier_weights="int4")
     assert VoteOptions(tier_weights={1: "int4"}).tier_weights == {1: "int4"}
+
+
+def test_cached_prompt_kv_of_one_level_is_not_another_levels(measured):
+    """The prefix cache keys K/V by the level that wrote them: a prompt prefilled in int4 is
+    reused by an int4 request, never by one at the decoder's fp32."""
+    from rbcompile.runtime.engine.prefix_cache import PrefixCache
+
+    model = measured
+    try:
+        model.use_executor("onnxruntime")
+        engine = model.batch_engine(max_batch=2, prefix_cache=PrefixCache())
+        prompt = list(range(5, 40))
+        reused = []
+        for weights in ("int4", None, "int4"):
+            before = engine.stats.reused_prompt_tokens
+            engine.submit(EngineRequest(prompt, 2, weights=weights))
+            while engine.has_work:
+                engine.step()
+            reused.append(engine.stats.reused_prompt_tokens - before)
+        assert reused[0] == 0 and reused[1] == 0 and reused[2] > 0
+    finally:
+        model.use_executor("torch")

@@ -129,3 +129,23 @@ def test_structured_requests_it_cannot_honour_are_refused(client):
         **body, "tools": [WEATHER], "tool_choice": {"type": "function",
                                                     "function": {"name": "nope"}}}),
         "tool_choice must be", "tool_choice")
+
+
+def test_tool_parameters_with_definitions_keep_their_references():
+    """pydantic writes nested models as `$defs` + `$ref`: nested under the call's `arguments`,
+    they move to the root under the function's name."""
+    from rbcompile.runtime.serving.structured import _tool_call_schema
+
+    class City(pydantic.BaseModel):
+        name: str
+
+    class Trip(pydantic.BaseModel):
+        start: City
+        stops: list[City]
+
+    tool = {"type": "function", "function": {"name": "plan", "parameters": Trip.model_json_schema()}}
+    schema = _tool_call_schema([tool], "required")
+    arguments = schema["properties"]["arguments"]
+    assert "$defs" not in arguments and set(schema["$defs"]) == {"plan.City"}
+    assert arguments["properties"]["start"]["$ref"] == "#/$defs/plan.City"
+    assert arguments["properties"]["stops"]["items"]["$ref"] == "#/$defs/plan.City"
