@@ -134,16 +134,19 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None     # a 'tool' message: the call it answers
+    tool_calls: list[dict] | None = None   # an 'assistant' message: the calls it made
 
     def as_template(self) -> dict:
         """The message as chat templates take it (text parts joined; 'developer' is the
-        system role under its newer name)."""
+        system role under its newer name; templates that know tools read the rest)."""
         content = self.content if isinstance(self.content, str) or self.content is None \
             else "".join(part.text for part in self.content)
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": content or ""}
-        return message | ({"name": self.name} if self.name else {})
+        extra = {"name": self.name, "tool_call_id": self.tool_call_id,
+                 "tool_calls": self.tool_calls}
+        return {"role": role, "content": content or ""} | {
+            key: value for key, value in extra.items() if value}
 
 
 class ResponseFormat(_Strict):

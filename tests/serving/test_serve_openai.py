@@ -152,6 +152,17 @@ def test_penalties_and_bias_are_honoured(served):
         assert_refused(reply, message, "logit_bias")
 
 
+def test_a_tool_conversation_goes_on(served):
+    """A client sends back the assistant's tool call and the tool's answer."""
+    client, _, _ = served
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    reply = client.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
+        {"role": "user", "content": "he"}, {"role": "assistant", "content": None,
+                                           "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "the"}]})
+    assert reply.status_code == 200, reply.text
+
+
 def test_chat_logprob_fields_go_together(served):
     client, _, _ = served
     body = {"messages": [{"role": "user", "content": "he"}], "max_tokens": 2}
