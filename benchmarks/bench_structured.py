@@ -1,6 +1,7 @@
-"""What constrained decoding costs (issue 47): the batch engine in-process on the artifact, the
-same chat prompts decoded with and without a JSON schema (runtime/engine/grammar.py, llguidance),
-interleaved per prompt, greedy, one request at a time:
+"""What constrained decoding and penalties cost (issue 47): the batch engine in-process on the
+artifact, the same chat prompts decoded free, under a JSON schema (runtime/engine/grammar.py,
+llguidance) and with penalties (runtime/engine/penalties.py: presence 0.5, frequency 0.5,
+repetition 1.1), interleaved per prompt (rotated order), greedy, one request at a time:
   tokens/s      new tokens / the request's engine time
   mask ms/tok   llguidance's mask computation per emitted token (`Constraint.seconds`)
 and whether each constrained output parses as JSON the schema's keys fill.
@@ -21,7 +22,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import load_executed, print_table, write_json  # noqa: E402
 
 from rbcompile.runtime.engine.grammar import GrammarCompiler  # noqa: E402
+from rbcompile.runtime.engine.penalties import Penalties  # noqa: E402
 from rbcompile.runtime.engine.requests import EngineRequest  # noqa: E402
+from rbcompile.runtime.engine.sampling import SamplingConfig  # noqa: E402
+
+KINDS = ("free", "schema", "penalized")
+PENALTIES = Penalties(presence=0.5, frequency=0.5, repetition=1.1)
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "city", "age", "hobbies"],
@@ -35,10 +41,11 @@ SUBJECTS = ["a baker in Lyon", "a retired sailor", "a student of music", "a nurs
             "a librarian in Cairo"]
 
 
-def decode(model, prompt: list[int], new_tokens: int, speculate: str, grammar) -> dict:
+def decode(model, prompt: list[int], new_tokens: int, speculate: str, grammar,
+           penalties: Penalties | None = None) -> dict:
     engine = model.batch_engine(max_batch=1)
-    request = engine.submit(EngineRequest(prompt, new_tokens, speculate=speculate,
-                                          grammar=grammar))
+    request = engine.submit(EngineRequest(prompt, new_tokens, SamplingConfig(penalties=penalties),
+                                          speculate=speculate, grammar=grammar))
     started = time.perf_counter()
     while engine.has_work:
         engine.step()
@@ -68,10 +75,11 @@ def main() -> None:
     decode(model, prompts[0], 8, args.speculate, None)   # warm-up
     rows = []
     for index, prompt in enumerate(prompts):
-        order = ("free", "schema") if index % 2 == 0 else ("schema", "free")
+        order = KINDS[index % 3:] + KINDS[:index % 3]
         for kind in order:
             grammar = compiler.json_schema(SCHEMA) if kind == "schema" else None
-            result = decode(model, prompt, args.new_tokens, args.speculate, grammar)
+            result = decode(model, prompt, args.new_tokens, args.speculate, grammar,
+                            PENALTIES if kind == "penalized" else None)
             if grammar is not None:
                 try:
                     result["valid"] = set(json.loads(result["text"])) == set(SCHEMA["required"])
@@ -79,7 +87,7 @@ def main() -> None:
                     result["valid"] = False
             rows.append({"prompt": index, "kind": kind, **result})
     summary = []
-    for kind in ("free", "schema"):
+    for kind in KINDS:
         mine = [row for row in rows if row["kind"] == kind]
         summary.append({"kind": kind, "tps": statistics.median(r["tokens_per_second"] for r in mine),
                         "mask": statistics.median(r["mask_ms_per_token"] for r in mine),

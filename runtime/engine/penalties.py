@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rbcompile.errors import UserError
@@ -37,26 +38,27 @@ class Penalties:
 def penalize(penalties: Penalties | None, logits: torch.Tensor, prompt: list[int],
              output: list[int], drafts: list[int] = ()) -> torch.Tensor:
     """`logits` [positions, vocab] of one row, penalized: position j as if `output` and then
-    `drafts[:j]` had been emitted after `prompt` (unchanged without active penalties)."""
+    `drafts[:j]` had been emitted after `prompt` (unchanged without active penalties). In
+    numpy: small torch ops wait on their thread pool behind onnxruntime's spinning workers
+    (docs/serving.md has the measurement)."""
     if penalties is None or not penalties.active:
         return logits
-    logits = logits.float().clone()
-    device, vocab = logits.device, logits.shape[-1]
-    counts = torch.zeros(vocab, device=device)
-    if output:
-        counts.index_add_(0, torch.tensor(output, device=device), torch.ones(len(output), device=device))
-    in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-    in_prompt[torch.tensor(prompt, dtype=torch.long, device=device)] = True
-    bias = torch.zeros(vocab, device=device)
+    scores = logits.float().cpu().numpy().copy()
+    vocab = scores.shape[-1]
+    counts = np.bincount(np.asarray(output, dtype=np.int64), minlength=vocab)[:vocab]
+    counts = counts.astype(np.float32)
+    in_prompt = np.zeros(vocab, dtype=bool)
+    in_prompt[np.asarray(prompt, dtype=np.int64)] = True
+    bias = np.zeros(vocab, dtype=np.float32)
     for token, value in penalties.bias:
         bias[token] += value
-    for position in range(logits.shape[0]):
+    for position in range(scores.shape[0]):
         if position:
             counts[drafts[position - 1]] += 1
-        row, seen = logits[position], counts > 0
+        row, seen = scores[position], counts > 0
         if penalties.repetition != 1:
             repeated = seen | in_prompt
-            row = torch.where(repeated & (row > 0), row / penalties.repetition,
-                              torch.where(repeated, row * penalties.repetition, row))
-        logits[position] = row - penalties.frequency * counts - penalties.presence * seen + bias
-    return logits
+            row = np.where(repeated & (row > 0), row / penalties.repetition,
+                           np.where(repeated, row * penalties.repetition, row))
+        scores[position] = row - penalties.frequency * counts - penalties.presence * seen + bias
+    return torch.from_numpy(scores).to(logits.device)
