@@ -115,10 +115,7 @@ class CompletionEndpoints(Service):
                            param)
         if body.stream_options is not None and not body.stream:
             raise ApiError(400, "stream_options goes with stream: true", "stream_options")
-        vocab = self.compiled.hf_config.get("vocab_size")
-        if vocab and any(int(token) >= vocab for token in body.logit_bias or {}):
-            raise ApiError(400, f"a logit_bias token id is not in the vocabulary (0 to "
-                           f"{vocab - 1})", "logit_bias")
+        self._check_vocabulary([int(token) for token in body.logit_bias or {}], "logit_bias")
         if field := body.unsupported():
             raise ApiError(400, f"'{field}' is not supported by this server at that value "
                            f"(only its default, which changes nothing)", field)
@@ -162,7 +159,8 @@ class CompletionEndpoints(Service):
                 body.rbcompile.budget = job.asked.budget
             job.echo = await self._echo(job) if getattr(body, "echo", False) else None
             if schema is not None:   # compiled off the event loop, once
-                job.grammar = await self._off_loop(self._compile, schema)
+                job.grammar = await self._off_loop(self._compile, schema,
+                                                   "tools" if body.tools else "response_format")
             run = self._batched(job)
         except BaseException:
             job.release()

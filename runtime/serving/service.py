@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from jinja2 import TemplateError
 
-from rbcompile.errors import first_line
+from rbcompile.errors import UserError, first_line
 from rbcompile.runtime.control.admission import Watermarks
 from rbcompile.runtime.control.result_cache import ResultCache, fingerprint
 from rbcompile.runtime.engine.grammar import Constraint, GrammarCompiler
@@ -58,12 +58,16 @@ class Service:
             self.name = name
             self.names.add(name)
 
-    def _compile(self, schema: dict) -> Constraint:
+    def _compile(self, schema: dict, param: str) -> Constraint:
         """Structured output's constraint of a JSON schema (the compiler for this tokenizer
-        built on first use; off the event loop: `_off_loop`)."""
+        built on first use; off the event loop: `_off_loop`); a schema it cannot enforce is a
+        400 naming `param`."""
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer)
-        return self._grammars.json_schema(schema)
+        try:
+            return self._grammars.json_schema(schema)
+        except UserError as error:
+            raise ApiError(400, str(error), param) from None
 
     def _chat_text(self, messages: list, add_generation_prompt: bool = True) -> str:
         """The chat template's text of `messages` (`ChatMessage`s), the assistant's turn open

@@ -123,7 +123,8 @@ class ToolCallFormat(ChatFormat):
 def _tool_call(text: str) -> dict | None:
     try:
         decoded = json.loads(text)
-    except json.JSONDecodeError:
+        name, arguments = decoded["name"], decoded["arguments"]
+    except (json.JSONDecodeError, KeyError, TypeError):   # not a whole call
         return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": decoded["name"], "arguments": json.dumps(decoded["arguments"])}}
+            "function": {"name": name, "arguments": json.dumps(arguments)}}
