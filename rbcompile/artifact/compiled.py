@@ -14,7 +14,7 @@ from rbcompile import __version__
 from rbcompile.artifact import manifest as manifests
 from rbcompile.artifact.atomic import write_folder
 from rbcompile.artifact.cuda_graphs import GraphCache, plan_key
-from rbcompile.artifact.decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder
+from rbcompile.artifact.decoder import ACTIVATION_FILE, DECODER_GRAPH, DECODER_SOURCE, Decoder
 from rbcompile.artifact.executors import use_executor
 from rbcompile.artifact.guard import (
     DECODER,
@@ -165,11 +165,11 @@ class CompiledModel:
         return self
 
     def use_executor(self, executor: str = "auto", weights: str = "fp32",
-                     threads: int | None = None) -> str:
+                     threads: int | None = None, prefill: str = "fp32") -> str:
         """Run the decoder's steps with `executor` ("auto", "torch", "onnxruntime") at
-        `weights` (executors.WEIGHT_LEVELS: "fp32", "int8", "int4", "int4-fp32"); returns
-        the executor chosen."""
-        return use_executor(self, executor, weights, threads)
+        `weights` (executors.WEIGHT_LEVELS: "fp32", "int8", "int4", "int4-fp32"), prompts
+        prefilled at `prefill` ("fp32", "int8"); returns the executor chosen."""
+        return use_executor(self, executor, weights, threads, prefill)
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,
                         batch_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), seq_multiple: int = 64,
@@ -386,6 +386,10 @@ class CompiledModel:
                                if self.tokenizer_dir else [])
             if self.offramps is not None:
                 save_file(self.offramps.tensors(), str(tmp / RAMP_FILE))
+            maxima = self.decoder and self.decoder.activation_max
+            if maxima:
+                save_file({key: value.contiguous() for key, value in maxima.items()},
+                          str(tmp / ACTIVATION_FILE))
             manifest = {
                 "schema_version": PACKED_SCHEMA_VERSION if packed else SCHEMA_VERSION,
                 "rbcompile_version": __version__,
@@ -402,6 +406,7 @@ class CompiledModel:
                 **({"decoder": {"graph": DECODER_GRAPH, "source": DECODER_SOURCE,
                                 "gates": self.decoder.num_gates,
                                 "shape": self.decoder.sizes.sizes(),
+                                **({"activation_max": ACTIVATION_FILE} if maxima else {}),
                                 **({"draft": self.decoder.draft} if self.decoder.draft else {})}}
                    if self.decoder is not None else {}),
                 "regions": [{**{k: r[k] for k in r if k not in ("inputs", "outputs", "skip")},

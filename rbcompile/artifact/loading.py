@@ -11,6 +11,7 @@ from rbcompile.artifact import manifest as manifests
 from rbcompile.artifact.codegen import generate_source
 from rbcompile.artifact.compiled import CompiledModel
 from rbcompile.artifact.decoder import (
+    ACTIVATION_FILE,
     DECODER_GRAPH,
     DECODER_SOURCE,
     STEP_INPUTS,
@@ -83,6 +84,8 @@ def load_artifact(path, device=None, dtype=None, model_class: type = CompiledMod
     compiled.loaded_packing = packed     # save() keeps these blocks where weights are unchanged
     if "offramps" in manifest:
         compiled.offramps = _load_offramps(path, manifest["offramps"]).to(device)
+    if decoder is not None and manifest["decoder"].get("activation_max"):
+        decoder.activation_max = _load_tensors(path / ACTIVATION_FILE, "activation maxima")
     return compiled
 
 
@@ -108,6 +111,13 @@ def _read_graph(path: Path, graph_name: str, source_name: str) -> tuple[dict, st
                         f"{graph_name} (edited, or written by another rbcompile version: compile "
                         "it again)")
     return ir, source
+
+
+def _load_tensors(file: Path, what: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except Exception as exc:
+        raise UserError(f"{file}: cannot load {what} ({first_line(exc)})") from None
 
 
 def _load_offramps(path: Path, spec: dict) -> OffRamps:

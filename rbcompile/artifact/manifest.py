@@ -19,6 +19,7 @@ from rbcompile.errors import UserError
 # The lower weight precisions a decoder's steps run at (artifact/executors.py): int8 / int4
 # blocks with int8 activations, and int4 blocks with fp32 activations.
 PRECISION_LEVELS = ("int8", "int4", "int4-fp32")
+PREFILL_LEVELS = ("fp32", "int8")   # prompts' prefills (int8: activations per token)
 
 SCHEMA_VERSION = 2
 PACKED_SCHEMA_VERSION = 3   # with packed_weights: a reader that cannot unpack refuses it by version
@@ -141,14 +142,17 @@ def validate(manifest: dict, where) -> None:
             and isinstance(decoder.get("shape"), dict)
             and all(isinstance(decoder["shape"].get(k), int) and decoder["shape"][k] > 0
                     for k in ("layers", "kv_heads", "head_dim", "max_positions"))
-            and len(decoder["shape"]) == 4):
+            and len(decoder["shape"]) == 4
+            and decoder.get("activation_max") in (None, "activation-max.safetensors")):
         _fail(where, "decoder needs integer gates and a shape (layers, kv_heads, head_dim, "
-                     "max_positions)")
+                     "max_positions), and activation_max is activation-max.safetensors or "
+                     "absent")
     draft = (decoder or {}).get("draft")
     if draft is not None and not (isinstance(draft, dict) and (
             draft.get("budget") is None or (_number(draft["budget"]) and 0 < draft["budget"] <= 1))):
         _fail(where, "decoder.draft.budget must be null or in (0, 1]")
     _check_precisions(where, manifest.get("precisions"))
+    _check_prefills(where, manifest.get("prefill_precisions"))
     if (manifest.get("schema_version") == PACKED_SCHEMA_VERSION) != ("packed_weights" in manifest):
         _fail(where, f"packed_weights come with schema version {PACKED_SCHEMA_VERSION}, and only")
     _check_packed(where, manifest.get("packed_weights"), manifest["files"].get("sha256", {}))
@@ -197,6 +201,25 @@ def _check_precisions(where, precisions) -> None:
             and _speedups(entry.get("speedups", {})) for entry in precisions):
         _fail(where, f"precisions must be a list of {{level: {' | '.join(PRECISION_LEVELS)}, "
                      "decoder_quality_loss >= 0, heldout, speedups {rows: > 0} or absent}")
+
+
+def _check_prefills(where, prefills) -> None:
+    """The prefill levels calibration measured (artifact/executors.py StoredPrefill)."""
+    if prefills is None:
+        return
+    levels = ("fp32", *PRECISION_LEVELS)
+    if not isinstance(prefills, list) or not all(
+            isinstance(entry, dict) and entry.get("level") in PREFILL_LEVELS[1:]
+            and isinstance(entry.get("losses"), dict) and entry["losses"] and all(
+                level in levels and _number(loss) and loss >= 0
+                for level, loss in entry["losses"].items())
+            and isinstance(entry.get("heldout"), dict)
+            and (entry.get("speedup") is None or (_number(entry["speedup"])
+                                                  and entry["speedup"] > 0))
+            and isinstance(entry.get("tokens", 0), int) for entry in prefills):
+        _fail(where, "prefill_precisions must be a list of {level: "
+                     f"{' | '.join(PREFILL_LEVELS[1:])}, losses {{decode level: >= 0}}, heldout, "
+                     "speedup > 0 or null, tokens}")
 
 
 def _speedups(speedups) -> bool:

@@ -38,6 +38,15 @@ def level_precision(level: str, linears: list[str]) -> dict[str, str] | None:
     return {key: "int8" if level == "int4" and key == HEAD else level for key in linears}
 
 
+def prefill_precision(level: str, linears: list[str]) -> dict[str, str] | None:
+    """The precision per linear weight of a prefill level (None: fp32). "int8" quantizes every
+    block linear's activations per token; the head stays fp32 (a prefill computes it on the
+    last position only, unless the prompt itself is scored)."""
+    if level == "fp32":
+        return None
+    return {key: "int8-token" for key in linears if key != HEAD}
+
+
 def packed_file(level: str) -> str:
     """The file an artifact stores its linears in at `level`."""
     return f"weights-{level}.safetensors"
@@ -46,8 +55,9 @@ def packed_file(level: str) -> str:
 def unmeasure(manifest: dict) -> None:
     """Calibration measured the weights before packing changed them: every plan but the full
     path becomes unmeasured (lossless-only unless the user opts in), the measured precision
-    levels and each plan's losses at them are dropped."""
+    levels, the prefill levels and each plan's losses at them are dropped."""
     manifest.pop("precisions", None)
+    manifest.pop("prefill_precisions", None)
     if manifest.get("plans"):
         manifest["plans"] = [plan if plan["budget"] == 0 else
                              {**{key: value for key, value in plan.items()

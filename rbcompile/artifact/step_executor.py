@@ -23,13 +23,18 @@ from rbcompile.artifact.packed_weights import linear_keys
 from rbcompile.artifact.page_release import release_file_pages
 from rbcompile.artifact.step_graph import (
     PACKED_AS,
+    TOKEN_INT8,
     StepShape,
     StepVariant,
     build_step_graph,
     unsupported_reason,
 )
 from rbcompile.kernels.int_weights import LEVELS, PackedWeight, quantize
+from rbcompile.kernels.token_int8 import ChannelInt8, quantize_channels, smoothing
 
+# steps of at least this many tokens per row are prefills: they run the fp32 weights (int8 /
+# int4 MatMulNBits is slower than fp32 on GEMMs), or `prefill_precision`; drafts verify in
+# shorter steps, so lossless drafting never runs the prefill's precision
 FULL_PRECISION_FROM = 32
 # steps of several rows and at least this many tokens (batched prefills) run row by row:
 # GroupQueryAttention then takes each row from its first kept token, where the batched
@@ -50,7 +55,8 @@ class StepExecutor:
     """Runs decoder steps in onnxruntime; `variant(gates, precision)` names the graph."""
 
     def __init__(self, weights: dict[str, torch.Tensor], config: dict, mlp_gates: dict[int, int],
-                 *, threads: int | None = None, max_sessions: int = 8, prepack: bool = True):
+                 *, threads: int | None = None, max_sessions: int = 8, prepack: bool = True,
+                 activation_max: dict[str, torch.Tensor] | None = None):
         reason = unsupported_reason(config)
         if reason is not None:
             raise ValueError(f"the onnxruntime step executor does not run this model: {reason}")
@@ -62,10 +68,14 @@ class StepExecutor:
         # copy of them in memory. Off where a lower level decodes and the full path only
         # prefills; a graph built either way is kept, so switching levels builds nothing again
         self.prepack = prepack
-        # steps of at least this many tokens per row (prefills) run the fp32 weights: int8 /
-        # int4 MatMulNBits is slower than fp32 on GEMMs (benchmarks/bench_precision.py); None:
+        # steps of at least this many tokens per row (prefills) run `prefill_precision`; None:
         # every step at the given precision (what calibration measures)
         self.full_precision_from: int | None = FULL_PRECISION_FROM
+        # the prefills' precision per linear weight (None: fp32; packed_weights.prefill_precision)
+        self.prefill_precision: dict[str, str] | None = None
+        # each linear weight's input's channel maxima on calibration text: the int8-token
+        # linears' smoothing (kernels/token_int8.py; None or a weight absent: unsmoothed)
+        self.activation_max = activation_max or {}
         # steps of at least this many rows run the fp32 weights too: where the level measured
         # no faster than fp32 at compile (StoredPrecision.fp32_from_rows; None: every step)
         self.full_precision_rows: int | None = None
@@ -75,7 +85,7 @@ class StepExecutor:
         self.tensors = {key: tensor.detach().contiguous() for key, tensor in weights.items()}
         self.tensors["model.embed_tokens.weight"] = self.tensors[embedding]
         self.tensors.setdefault("lm_head.weight", self.tensors[embedding])
-        self.arrays: dict[str, np.ndarray | PackedWeight] = {
+        self.arrays: dict[str, np.ndarray | PackedWeight | ChannelInt8] = {
             key: tensor.numpy() for key, tensor in self.tensors.items()}
         # (variant, prepacked) -> (session, binding): the full path's graph is kept apart
         # with and without its prepacked weights, so switching levels rebuilds neither
@@ -99,7 +109,7 @@ class StepExecutor:
         """The names of the weights a precision can be given to (every linear, head included)."""
         return linear_keys(self.tensors)
 
-    def array(self, name: str) -> np.ndarray | PackedWeight:
+    def array(self, name: str) -> np.ndarray | PackedWeight | ChannelInt8:
         """A weight the graph names (step_graph.build_step_graph's `source`), made on first
         use: stacked rows of "+"-joined keys, packed for an "@int8" / "@int4" suffix."""
         if name not in self.arrays:
@@ -110,8 +120,15 @@ class StepExecutor:
             keys = stem.split("+")
             rows = (self.tensors[keys[0]] if len(keys) == 1 else
                     torch.cat([self.tensors[key] for key in keys]))
-            self.arrays[name] = quantize(rows, LEVELS[level]) if level else rows.numpy()
+            self.arrays[name] = (self._token_int8(keys[0], rows) if level == TOKEN_INT8 else
+                                 quantize(rows, LEVELS[level]) if level else rows.numpy())
         return self.arrays[name]
+
+    def _token_int8(self, key: str, rows: torch.Tensor) -> ChannelInt8:
+        """`rows` (the weights reading one input, stacked) as an int8-token linear, smoothed
+        by the input's calibration maxima where known."""
+        maxima = self.activation_max.get(key)
+        return quantize_channels(rows, None if maxima is None else smoothing(maxima, rows))
 
     def session(self, variant: StepVariant):
         """(onnxruntime session, its IO binding with the weights bound) of `variant`, built on
@@ -174,8 +191,11 @@ class StepExecutor:
             return torch.cat([self.run(*row, gates, precision, fp32_from_rows) for row in _rows(
                 input_ids, attention_mask, position_ids, cache_position, logit_positions, cache)])
         fused = batch == 1 or tokens == 1   # what GroupQueryAttention's CPU kernel takes
-        if ((self.full_precision_from is not None and tokens >= self.full_precision_from)
-                or (fp32_from_rows is not None and batch >= fp32_from_rows)):
+        if self.full_precision_from is not None and tokens >= self.full_precision_from:
+            # a prompt's prefill reads one position's logits; a step scoring the prompt (echo,
+            # prompt logprobs) runs fp32: what it returns was never measured at the prefill's
+            precision = self.prefill_precision if len(logit_positions) == 1 else None
+        elif fp32_from_rows is not None and batch >= fp32_from_rows:
             precision = None
         variant = self.variant(gates, precision, fused)
         session, binding = self.session(variant)

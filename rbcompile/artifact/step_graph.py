@@ -12,7 +12,9 @@ forms (`StepVariant.fused_attention`):
   T new keys separately (the cache is never copied), new_key_i / new_value_i [B, kv heads, T,
   head dim] out for the caller to write.
 Each fp32 linear is a FusedMatMul on the weight as stored ([out, in], transB), so the weights
-are the artifact's own tensors; a lower precision is a MatMulNBits (`kernels/int_weights.py`).
+are the artifact's own tensors; a lower precision is a MatMulNBits (`kernels/int_weights.py`),
+or for prefills ("int8-token") a MatMulInteger on activations quantized per token
+(`kernels/token_int8.py`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import onnx.numpy_helper
 from onnx import TensorProto, helper
 
 from rbcompile.kernels.int_weights import PackedWeight
+from rbcompile.kernels.token_int8 import LIMIT, TINY, ChannelInt8
 
 OPSET = 23
 MS_DOMAIN = "com.microsoft"
@@ -33,6 +36,7 @@ MS_DOMAIN = "com.microsoft"
 # but a fast int4 one, exact where the blocks are the source's own (docs/executor.md)
 ACCURACY_LEVELS = {"int8": 4, "int4": 4, "int4-fp32": 0}
 PACKED_AS = {"int4-fp32": "int4"}   # a level stored as another's blocks
+TOKEN_INT8 = "int8-token"   # int8 per channel, activations int8 per token (prefill GEMMs)
 ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED = ("llama", "qwen2", "mistral")   # transformers model types
 
@@ -153,6 +157,9 @@ class _Builder:
             if level == "fp32":
                 y = self.op("FusedMatMul", [x, self.weight(fused)], domain=MS_DOMAIN, transB=1,
                             out=out if len(keys) == 1 and not biases else None)
+            elif level == TOKEN_INT8:
+                y = self._token_int8_linear(x, f"{fused}@{level}",
+                                            out=out if len(keys) == 1 and not biases else None)
             else:
                 packed: PackedWeight = self.source(f"{fused}@{level}")
                 y = self._int_linear(x, f"{fused}@{level}", packed, ACCURACY_LEVELS[level],
@@ -186,6 +193,24 @@ class _Builder:
         offsets = self.op("FusedMatMul", [sums, self._packed(name, "offsets", packed.offsets)],
                           domain=MS_DOMAIN, transB=1)
         return self.op("Add", [y, offsets], out=out)
+
+    def _token_int8_linear(self, x: str, name: str, out: str | None) -> str:
+        """x (smoothed) quantized per token (uint8, zero point 128), MatMulInteger on the int8
+        weight, scaled back by the token's and the channel's scales
+        (token_int8.reference_linear)."""
+        packed: ChannelInt8 = self.source(name)
+        if packed.inverse_smooth is not None:
+            x = self.op("Mul", [x, self._packed(name, "inverse_smooth", packed.inverse_smooth)])
+        peak = self.op("ReduceMax", [self.op("Abs", [x]), self.ints(-1)], keepdims=1)
+        scale = self.op("Div", [self.op("Max", [peak, self.const("tiny", np.float32(TINY))]),
+                                self.const("limit", np.float32(LIMIT))])
+        zero = self.const("zero_point", np.uint8(128))
+        quantized = self.op("QuantizeLinear", [self.op("Div", [x, scale]),
+                                               self.const("one", np.float32(1)), zero])
+        products = self.op("MatMulInteger", [quantized, self._packed(name, "q", packed.data),
+                                             zero])
+        y = self.op("Mul", [self.op("Cast", [products], to=TensorProto.FLOAT), scale])
+        return self.op("Mul", [y, self._packed(name, "scales", packed.scales)], out=out)
 
     def _packed(self, key: str, part: str, value: np.ndarray) -> str:
         name = f"{key}.{part}"

@@ -26,6 +26,7 @@ from rbcompile.artifact.placement import dtype_name, parse_device, parse_dtype
 from rbcompile.artifact.plans import StoredPlan
 from rbcompile.artifact.quality import load_head
 from rbcompile.calibration_data import load_labelled, make_batches
+from rbcompile.compiler.activations import activation_maxima
 from rbcompile.compiler.calibrate import (
     Evaluator,
     build_plans,
@@ -363,7 +364,7 @@ def compile_model(model_or_path, *, dump_pass: str | None = None, calib=None,
     compiled = Model(manifest=manifest, **artifact)
     if calibration is None:
         if precisions and decoder is not None and checkpoint is not None:  # the bundled text
-            _measure_precisions(compiled, lambda: _heldout_text(compiled.tokenizer, dims),
+            _measure_precisions(compiled, lambda: _bundled_text(compiled.tokenizer, dims),
                                 precisions)
         return compiled
     return _calibrated(compiled, artifact, calibration, ctx, precisions)
@@ -373,25 +374,34 @@ PRECISION_SAMPLES, PRECISION_SEQ = 16, 256  # windows of the bundled text (a qua
 
 
 def _measure_precisions(compiled, batches, precisions) -> None:
-    """The manifest's `precisions`: each weight level measured on held-out `batches()`, and
-    each calibrated plan at each level; "auto": int8 and int4 where the onnxruntime executor
-    runs the model."""
+    """The manifest's `precisions`: each weight level measured on the held-out part of
+    `batches()` (calibration.Batches), each calibrated plan at each level, and the int8 prefill
+    (`prefill_precisions`), smoothed by the channel maxima of the calibration part's
+    activations; "auto": int8 and int4 where the onnxruntime executor runs the model."""
     if precisions == "auto":
         precisions = LOW_LEVELS if onnxruntime_reason(compiled) is None else ()
     if precisions:
+        text = batches()
+        with step("recording the linears' input ranges on calibration text"):
+            compiled.decoder.activation_max = activation_maxima(compiled, text.calibration)
+            compiled.decoder.step_executor = None   # built again with them
         with step(f"measuring {', '.join(precisions)} weights on held-out text (onnxruntime)"):
-            stored, plans = measure_precisions(compiled, batches(), precisions, compiled.plans)
-        compiled.manifest["precisions"] = [level.to_json() for level in stored]
-        if plans:
-            compiled.plans = plans
-            compiled.manifest["plans"] = [plan.to_json() for plan in plans]
+            measured = measure_precisions(compiled, text.heldout, precisions, compiled.plans)
+        compiled.manifest["precisions"] = [level.to_json() for level in measured.levels]
+        if measured.prefills:
+            compiled.manifest["prefill_precisions"] = [prefill.to_json()
+                                                       for prefill in measured.prefills]
+        if measured.plans:
+            compiled.plans = measured.plans
+            compiled.manifest["plans"] = [plan.to_json() for plan in measured.plans]
 
 
-def _heldout_text(tokenizer, dims) -> list:
-    """Held-out batches of the bundled calibration text (precisions measured without --calib)."""
+def _bundled_text(tokenizer, dims):
+    """Batches of the bundled calibration text, calibration and held-out (precisions measured
+    without --calib)."""
     texts, _ = load_labelled("default")
     return make_batches(tokenizer, texts, DECODER, seq_len=min(PRECISION_SEQ, dims.max_positions),
-                        samples=PRECISION_SAMPLES, batch_size=2).heldout
+                        samples=PRECISION_SAMPLES, batch_size=2)
 
 
 def _order_by_importance(model, gm, ctx: PassContext, calibration) -> None:
@@ -419,7 +429,7 @@ def _calibrated(compiled, artifact: dict, calibration, ctx: PassContext, precisi
         with step("choosing the self-speculation draft plan (acceptance x cost)"):
             calibrated.decoder.draft = choose_draft_plan(calibrated, calibration)
         say(f"  self-speculation drafts with budget {calibrated.decoder.draft['budget']}")
-        _measure_precisions(calibrated, lambda: calibration.batches.heldout,
+        _measure_precisions(calibrated, lambda: calibration.batches,
                             "auto" if precisions is None else precisions)
     if calibration.head is not None:
         batches = calibration.batches

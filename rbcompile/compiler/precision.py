@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from rbcompile.artifact import quality
-from rbcompile.artifact.executors import WEIGHT_LEVELS, StoredPrecision, onnxruntime_reason
+from rbcompile.artifact.executors import (
+    WEIGHT_LEVELS,
+    StoredPrecision,
+    StoredPrefill,
+    onnxruntime_reason,
+)
 from rbcompile.artifact.plans import StoredPlan
 from rbcompile.errors import UserError
 from rbcompile.progress import say
@@ -89,6 +94,15 @@ def level_speedups(compiled, batches, levels: tuple[str, ...]
     return {level: tuple(pairs) for level, pairs in speedups.items()}
 
 
+@dataclass(frozen=True)
+class MeasuredPrecisions:
+    """What `measure_precisions` measured: the weight levels, the plans with their losses at
+    them, and the prefill levels (the manifest's `precisions`, `plans`, `prefill_precisions`)."""
+    levels: list[StoredPrecision]
+    plans: list[StoredPlan] | None
+    prefills: list[StoredPrefill]
+
+
 class DecoderQuality:
     """Quality of the decoder at a weight level and gates, on `batches`, against the full
     path (the references are computed once)."""
@@ -118,22 +132,24 @@ class DecoderQuality:
 
 
 def measure_precisions(compiled, batches, levels: tuple[str, ...],
-                       plans: list[StoredPlan] | None = None
-                       ) -> tuple[list[StoredPrecision], list[StoredPlan] | None]:
-    """Each of `levels` measured on `batches` ([(input_ids, mask)]) against the full path, and
+                       plans: list[StoredPlan] | None = None) -> MeasuredPrecisions:
+    """Each of `levels` measured on `batches` ([(input_ids, mask)]) against the full path,
     `plans` with their `precision_losses` at those levels (a plan whose decoder skips nothing
-    costs what its level costs)."""
+    costs what its level costs), and the int8 prefill with each of them
+    (compiler/prefill_precision.py)."""
     if not levels:
-        return [], plans
+        return MeasuredPrecisions([], plans, [])
     reason = onnxruntime_reason(compiled)
     if reason is not None:
         raise UserError(f"cannot measure weight precisions: {reason} (compile with "
                         "--precisions none)")
     from rbcompile.artifact.step_executor import FULL_PRECISION_FROM
+    from rbcompile.compiler.prefill_precision import measure_prefill
 
     measure = DecoderQuality(compiled, batches)
     decoder = compiled.decoder
     previous = None if decoder.executor is None else decoder.weights   # None: torch
+    prefill = decoder.prefill
     try:
         speedups = level_speedups(compiled, batches, levels)
         for level, pairs in speedups.items():
@@ -142,14 +158,16 @@ def measure_precisions(compiled, batches, levels: tuple[str, ...],
         stored = [replace(level, speedups=speedups[level.level])
                   for level in _levels(measure, levels)]
         plans = plans and _plans_at_levels(measure, plans, stored)
+        prefills = [measure_prefill(measure, stored)]
     finally:
         if decoder.step_executor is not None:
             decoder.step_executor.full_precision_from = FULL_PRECISION_FROM
         if previous is None:
             compiled.use_executor("torch")
         else:
-            compiled.use_executor("onnxruntime", previous, decoder.step_executor.threads)
-    return stored, plans
+            compiled.use_executor("onnxruntime", previous, decoder.step_executor.threads,
+                                  prefill)
+    return MeasuredPrecisions(stored, plans, prefills)
 
 
 def _levels(measure: DecoderQuality, levels: tuple[str, ...]) -> list[StoredPrecision]:

@@ -10,23 +10,25 @@ stops drafting in crowded batches).
 """
 from __future__ import annotations
 
-from rbcompile.artifact.executors import stored_precisions
+from rbcompile.artifact.executors import level_loss, stored_precisions
 from rbcompile.artifact.guard import QualityGuard
 
 
-def precision_ladder(manifest: dict, guard: QualityGuard, decoding: str) -> tuple[str, ...]:
+def precision_ladder(manifest: dict, guard: QualityGuard, decoding: str,
+                     prefill: str = "fp32") -> tuple[str, ...]:
     """The weight levels a controller moves requests to before it skips, in order: the
-    measured levels below the decoding one that `guard` allows, by measured quality loss,
-    each kept only when its decode step measured faster than every rung before it (a level
-    no faster than a less lossy one never pays for its loss). Speed is the one timed at the
-    largest batch size (a controller acts when batches are full)."""
+    measured levels below the decoding one that `guard` allows (after prompts prefilled at
+    `prefill`), by measured quality loss, each kept only when its decode step measured faster
+    than every rung before it (a level no faster than a less lossy one never pays for its
+    loss). Speed is the one timed at the largest batch size (a controller acts when batches
+    are full)."""
     levels = stored_precisions(manifest)
     decoding_level = levels.get(decoding)
     best = _loaded_speedup(decoding_level) if decoding_level else 1.0
     ladder = []
     for level in sorted(levels.values(), key=lambda level: level.decoder_quality_loss):
         speedup = _loaded_speedup(level)
-        if level.level != decoding and guard.allows(level.decoder_quality_loss) \
+        if level.level != decoding and guard.allows(level_loss(manifest, level.level, prefill)) \
                 and speedup > best:
             ladder.append(level.level)
             best = speedup
@@ -39,7 +41,7 @@ def served_ladder(compiled) -> tuple[str, ...]:
     decoder = compiled.decoder
     if decoder is None or decoder.executor is None:
         return ()
-    return precision_ladder(compiled.manifest, compiled.guard, decoder.weights)
+    return precision_ladder(compiled.manifest, compiled.guard, decoder.weights, decoder.prefill)
 
 
 def _loaded_speedup(level) -> float:

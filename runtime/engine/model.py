@@ -9,7 +9,7 @@ from functools import partial
 import torch
 
 from rbcompile.artifact.compiled import SELF_DRAFT_BUDGET, CompiledModel
-from rbcompile.artifact.executors import check_precision, level_step, stored_precisions
+from rbcompile.artifact.executors import check_precision, level_loss, level_step, stored_precisions
 from rbcompile.artifact.loading import load_artifact
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.core import BatchEngine
@@ -128,9 +128,9 @@ class Model(CompiledModel):
         quality guard refuses it (`check_precision`) or the onnxruntime executor is not in use."""
         if self.decoder.executor is None and name != self.decoder.weights:
             raise UserError(f"{name} weights need the onnxruntime executor (--executor)")
-        check_precision(self.manifest, name, self.guard)
-        measured = stored_precisions(self.manifest).get(name)
-        loss = 0.0 if name == "fp32" else measured.decoder_quality_loss if measured else math.inf
+        check_precision(self.manifest, name, self.guard, self.decoder.prefill)
+        loss = level_loss(self.manifest, name, self.decoder.prefill)
+        loss = math.inf if loss is None else loss
         step = None if name == self.decoder.weights else level_step(self, name)
         return WeightLevel(name, step, loss)
 

@@ -327,7 +327,8 @@ def tier_levels(compiled, engine, tier_weights, samples=CONSISTENCY_SAMPLES) -> 
     (`VoteOptions.tier_weights`; 'auto': where a level measured faster than fp32 at k rows),
     each checked by `engine` (a one-line UserError where the quality guard refuses it)."""
     if tier_weights == "auto":
-        found = {k: fastest_level(compiled.manifest, compiled.guard, k) for k in samples}
+        found = {k: fastest_level(compiled.manifest, compiled.guard, k,
+                                  compiled.decoder.prefill) for k in samples}
         tier_weights = {k: level for k, level in found.items()
                         if level != compiled.decoder.weights}
     levels = {k: level for k, level in (tier_weights or {}).items() if k in samples}

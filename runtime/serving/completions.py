@@ -343,13 +343,14 @@ class CompletionEndpoints(Service):
                      weights_run: list[str | None] = ()) -> dict:
         """`rbcompile.plan` of a response: the budget asked for and why less ran, the largest
         budget its tokens ran (a controller's too: the engine records them bounded) and that
-        plan's measured quality loss; the least precise weight level they ran and its loss."""
+        plan's measured quality loss; the least precise weight level they ran, the level prompts
+        were prefilled at, and the loss of the two together."""
         ran = guard_budget(self.compiled.plans, ran_budget, self.compiled.guard, DECODER)
         limit = self.compiled.guard.max_quality_loss
         weights = self.worker.engine.levels.least_precise(weights_run)
         return {**asked.as_json(), "budget": ran.budget, "quality_loss": ran.quality_loss,
-                "weights": weights.name, "weights_quality_loss": weights.loss,
-                "max_quality_loss": limit if limit != float("inf") else None}
+                "weights": weights.name, "prefill_weights": self.compiled.decoder.prefill,
+                "weights_quality_loss": weights.loss, "max_quality_loss": limit if limit != float("inf") else None}
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -239,9 +239,10 @@ def app_builder(artifact: str, actor, config: ServeConfig) -> Callable:
 
         replica = serve.get_replica_context().replica_tag
         model = load(artifact)
-        check_precision(model.manifest, config.weights, config.guard or model.guard)
+        check_precision(model.manifest, config.weights, config.guard or model.guard,
+                        config.prefill_weights)
         if model.decoder is not None:
-            model.use_executor(config.executor, config.weights)
+            model.use_executor(config.executor, config.weights, prefill=config.prefill_weights)
         policy = ClusterPolicy.for_actor(actor, replica)
         app = create_app(model, config, policy=policy)
 

@@ -24,9 +24,10 @@ class ServeConfig:
     exact repeats come from a result cache of `result_cache_mb` MiB (0: none). `watermarks`:
     memory levels of admission (runtime/control/admission.py). `policy`: who sets the budget of
     completions that bring none (runtime/serving/serve_policy.py), within `guard` (None: the
-    artifact's own) and the live agreement checks of `quality_loop`. `executor` and `weights`:
-    what runs the decode steps, at which weight precision (rbcompile/artifact/executors.py;
-    the CLI applies them, Ray replicas when they load the artifact); `tier_weights`: the level
+    artifact's own) and the live agreement checks of `quality_loop`. `executor`, `weights` and
+    `prefill_weights`: what runs the decode steps, at which weight precision, and the precision
+    prompts are prefilled at (rbcompile/artifact/executors.py; the CLI applies them, Ray
+    replicas when they load the artifact); `tier_weights`: the level
     each consistency tier's votes decode at (`VoteOptions.tier_weights`)."""
     api_key: str | None = None
     served_model_name: str | None = None   # the model id (None: the source checkpoint's name)
@@ -42,6 +43,7 @@ class ServeConfig:
     quality_loop: QualityLoopConfig = field(default_factory=QualityLoopConfig)
     executor: str = "auto"
     weights: str = "fp32"
+    prefill_weights: str = "fp32"
     tier_weights: dict[int, str] | str | None = None
 
     @property

@@ -240,7 +240,8 @@ def test_a_request_budget_over_the_guard_gets_the_guarded_plan_and_says_so(llama
     (response,), _ = asyncio.run(_post_all(app, [body]))
     assert response.json()["rbcompile"]["plan"] == {
         "requested_budget": 0.5, "budget": 0.0, "quality_loss": 0.0, "withheld": UNMEASURED,
-        "weights": "fp32", "weights_quality_loss": 0.0, "max_quality_loss": 0.03}
+        "weights": "fp32", "prefill_weights": "fp32", "weights_quality_loss": 0.0,
+        "max_quality_loss": 0.03}
     assert response.json()["choices"][0]["text"] == _greedy(llama, PROMPTS[0], 8)
     (streamed,), _ = asyncio.run(_post_all(app, [{**body, "stream": True}]))
     assert streamed.headers["x-rbcompile-budget"] == "0"

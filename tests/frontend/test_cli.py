@@ -131,6 +131,32 @@ def test_run_weights_auto_takes_the_fastest_level_the_guard_allows(llama_artifac
         assert f"--weights auto: {expected}" in capsys.readouterr().err
 
 
+def test_run_prefill_weights_within_the_guard(llama_artifact, capsys):
+    """--prefill-weights int8 runs where the loss compile measured for it with the decode
+    level is within --max-quality-loss, says so on one line; auto takes it where it also timed
+    faster than fp32; the torch executor refuses it."""
+    prefill = json.loads((llama_artifact / "manifest.json").read_text())["prefill_precisions"][0]
+    assert prefill["level"] == "int8"
+    assert set(prefill["losses"]) == {"fp32", "int8", "int4", "int4-fp32"}
+    loss = prefill["losses"]["fp32"]
+    assert loss > 0
+    argv = ["run", str(llama_artifact), "--text", "the time of his", "--max-new-tokens", "3",
+            "--prefill-weights"]
+    assert main(argv + ["int8", "--max-quality-loss", str(loss / 2)]) == 2
+    assert f"fp32 weights after an int8 prefill cost quality loss {loss:.3f}" in _error_line(capsys)
+    assert main(argv + ["int8", "--max-quality-loss", str(loss)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("'the time of his' -> ")
+    assert (f"prompts prefilled at int8 (quality loss {loss:.3f} measured with fp32 decoding, "
+            f"{prefill['speedup']:.2f}x fp32 on a {prefill['tokens']}-token prompt)") in captured.err
+    assert main(argv + ["auto", "--max-quality-loss", "1"]) == 0
+    err = capsys.readouterr().err
+    assert ("prompts prefilled at int8" in err) == (prefill["speedup"] > 1)
+    assert ("--prefill-weights auto: fp32" in err) == (prefill["speedup"] <= 1)
+    assert main(argv + ["int8", "--max-quality-loss", "1", "--executor", "torch"]) == 2
+    assert "an int8 prefill needs the onnxruntime executor" in _error_line(capsys)
+
+
 def test_run_votes_decode_at_their_tiers_weights(llama_artifact, capsys):
     """--tier-weights: a 1-sample vote decodes at the level given for tier 1, within the
     guard (a level over it is a one-line error)."""

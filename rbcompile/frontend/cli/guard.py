@@ -36,28 +36,41 @@ def _unmeasured_plans(model) -> int:
     return sum(plan.loss(path) is None for plan in _lossy_plans(model))
 
 
-def _use_executor(model, executor: str, weights: str, guard) -> str:
+def _use_executor(model, executor: str, weights: str, guard, prefill: str = "fp32") -> str:
     """Run `model`'s decode steps with `executor` at `weights` (--weights; "auto" resolved
-    by executors.resolve_weights), which must be within `guard`; one line on stderr where the
-    weights are not fp32 or were chosen."""
-    from rbcompile.artifact.executors import check_precision, resolve_weights, stored_precisions
+    by executors.resolve_weights), prompts prefilled at `prefill` (--prefill-weights), which
+    must be within `guard` together; one line on stderr for each that is not fp32 or was
+    chosen."""
+    from rbcompile.artifact.executors import (
+        check_precision,
+        resolve_prefill,
+        resolve_weights,
+        stored_precisions,
+    )
     from rbcompile.artifact.ort_threads import share_threads
 
-    asked = weights
+    asked, asked_prefill = weights, prefill
     if executor != "torch":   # the torch executor runs fp32 only
         weights = resolve_weights(model.manifest, weights, guard)
-    elif weights == "auto":
-        weights = "fp32"
+        prefill = resolve_prefill(model.manifest, prefill, weights, guard)
+    else:
+        weights = "fp32" if weights == "auto" else weights
+        prefill = "fp32" if prefill == "auto" else prefill
     if asked != weights and weights == "fp32":
         why = ("the torch executor runs fp32 only" if executor == "torch" else
                "no measured level is faster within the guard")
         print(f"rbcompile: --weights auto: fp32 ({why})", file=sys.stderr)
-    check_precision(model.manifest, weights, guard)
+    check_precision(model.manifest, weights, guard, prefill)
     if model.decoder is None:
         return "torch"
     if executor != "torch":   # this process owns its sessions: one thread pool for them all
         share_threads()
-    chosen = model.use_executor(executor, weights)
+    chosen = model.use_executor(executor, weights, prefill=prefill)
+    if prefill != "fp32":
+        _say_prefill(model.manifest, prefill, weights)
+    elif asked_prefill == "auto":
+        print("rbcompile: --prefill-weights auto: fp32 (no measured prefill level is faster "
+              "within the guard)", file=sys.stderr)
     if weights != "fp32":
         measured = stored_precisions(model.manifest).get(weights)
         loss = "unmeasured" if measured is None else (
@@ -69,6 +82,18 @@ def _use_executor(model, executor: str, weights: str, guard) -> str:
         print(f"rbcompile: {'--weights auto: ' if asked != weights else ''}{weights} weights "
               f"({loss}) on {chosen}", file=sys.stderr)
     return chosen
+
+
+def _say_prefill(manifest: dict, prefill: str, weights: str) -> None:
+    from rbcompile.artifact.executors import stored_prefills
+
+    measured = stored_prefills(manifest).get(prefill)
+    loss = None if measured is None else measured.losses.get(weights)
+    said = (f"unmeasured with {weights} decoding" if loss is None else
+            f"quality loss {loss:.3f} measured with {weights} decoding")
+    if measured is not None and measured.speedup is not None:
+        said += f", {measured.speedup:.2f}x fp32 on a {measured.tokens}-token prompt"
+    print(f"rbcompile: prompts prefilled at {prefill} ({said})", file=sys.stderr)
 
 
 def _guard_from(args):

@@ -72,6 +72,12 @@ def _executor_options(parser) -> None:
                         "Q4 source); allowed where its quality loss measured at compile is "
                         "within --max-quality-loss. auto: the level whose decode step measured "
                         "fastest at compile among those allowed (fp32 if none)")
+    parser.add_argument("--prefill-weights", choices=("fp32", "int8", "auto"), default="fp32",
+                        help="decoders, onnxruntime executor: the precision prompts are "
+                        "prefilled at (int8: activations quantized per token; decoding stays "
+                        "at --weights); allowed where its loss measured at compile with "
+                        "--weights decoding is within --max-quality-loss. auto: int8 where "
+                        "allowed and measured faster than fp32")
 
 
     parser.add_argument("--tier-weights", type=_tier_weights, metavar="K=LEVEL,...|auto",

@@ -26,7 +26,7 @@ def _cmd_run(args) -> None:
     for text in args.text:
         check_unicode(text, "--text")
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
-    _use_executor(model, args.executor, args.weights, _guard_from(args))
+    _use_executor(model, args.executor, args.weights, _guard_from(args), args.prefill_weights)
     _quality_guard(args, model)   # after: which plans are measured depends on the weights
     model.complexity_threshold = args.complexity_threshold
     baked = None if args.budget is None else model.guarded(args.budget).budget  # what runs

@@ -53,7 +53,7 @@ def _cmd_serve(args) -> None:
     sock = connections.bind(args.host, args.port)   # a port in use: refused before loading
     model = rbcompile.load(args.artifact, device=args.device, dtype=args.dtype)
     executor = _use_executor(model, _executor(args, config.executor), config.weights,
-                             _guard_from(args))
+                             _guard_from(args), config.prefill_weights)
     _quality_guard(args, model)   # after: which plans are measured depends on the weights
     if args.compile_plans:
         model.compile_plans()
@@ -67,7 +67,8 @@ def _cmd_serve(args) -> None:
     print(f"quality guard: max quality loss {args.max_quality_loss:g}; {_guard_leaves(model)}",
           file=sys.stderr)
     if model.decoder is not None:
-        print(f"decode steps: {executor} executor, {model.decoder.weights} weights"
+        print(f"decode steps: {executor} executor, {model.decoder.weights} weights, prompts "
+              f"prefilled at {model.decoder.prefill}"
               + (f"; under load pid lowers them to {', then '.join(levels)} before it skips"
                  if levels else ""), file=sys.stderr)
     print(f"serving {model.manifest['source']['name']} ({model.family}) on "
@@ -105,11 +106,13 @@ def _serve_ray(args, config) -> None:
     from pathlib import Path
 
     from rbcompile.artifact import manifest
-    from rbcompile.artifact.executors import check_precision, resolve_weights
+    from rbcompile.artifact.executors import check_precision, resolve_prefill, resolve_weights
 
     stored, guard = manifest.read(Path(args.artifact)), _guard_from(args)
     config = replace(config, weights=resolve_weights(stored, config.weights, guard))
-    check_precision(stored, config.weights, guard)
+    config = replace(config, prefill_weights=resolve_prefill(stored, config.prefill_weights,
+                                                             config.weights, guard))
+    check_precision(stored, config.weights, guard, config.prefill_weights)
     serve_on_ray(args, config)
 
 

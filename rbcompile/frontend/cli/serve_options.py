@@ -79,4 +79,5 @@ def serve_config(args: argparse.Namespace, api_key: str | None):
                        guard=_guard_from(args),
                        quality_loop=QualityLoopConfig(check_every=args.quality_check_every),
                        executor=args.executor, weights=args.weights,
+                       prefill_weights=args.prefill_weights,
                        tier_weights=args.tier_weights)

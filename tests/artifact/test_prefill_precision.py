@@ -1,0 +1,132 @@
+"""Prompts prefilled at a precision of their own (artifact/executors.py `prefill`, the step
+graph's "int8-token" linears): only a prompt's prefill runs it, never a decode or verify step or
+a step that scores the prompt; compile measures it with every decode level; the guard bounds
+the pair that runs; a malformed manifest entry is refused."""
+import copy
+
+import pytest
+import torch
+
+import rbcompile
+from rbcompile.artifact.executors import (
+    StoredPrefill,
+    check_precision,
+    level_loss,
+    resolve_prefill,
+    stored_prefills,
+)
+from rbcompile.artifact.guard import QualityGuard
+from rbcompile.artifact.manifest import validate
+from rbcompile.artifact.step_executor import FULL_PRECISION_FROM
+from rbcompile.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_checkpoints, tmp_path_factory):
+    """The tiny Llama compiled with int8 weights measured (and so the int8 prefill), saved and
+    loaded back."""
+    compiled = rbcompile.compile(tiny_checkpoints["llama"], precisions=("int8",))
+    return rbcompile.load(compiled.save(tmp_path_factory.mktemp("prefill") / "llama"))
+
+
+def _step(model, tokens: int, scored: bool):
+    """Logits of a `tokens`-token prompt step, at every position if `scored`, else the last."""
+    shape, vocab = model.decoder.shape, model.hf_config["vocab_size"]
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    cache = [torch.zeros(1, shape.kv_heads, tokens, shape.head_dim)
+             for _ in range(2 * shape.layers)]
+    slots = torch.arange(tokens)
+    logits = slots if scored else torch.tensor([tokens - 1])
+    return model.decoder(ids, torch.ones_like(ids), slots[None], slots, logits, cache)
+
+
+def test_only_a_prompts_prefill_runs_at_the_prefill_precision(measured):
+    prompt = FULL_PRECISION_FROM + 8
+    measured.use_executor("onnxruntime", "fp32")
+    full = {(tokens, scored): _step(measured, tokens, scored)
+            for tokens in (prompt, FULL_PRECISION_FROM - 1) for scored in (False, True)}
+    measured.use_executor("onnxruntime", "fp32", prefill="int8")
+    assert measured.decoder.prefill == "int8"
+    prefilled = _step(measured, prompt, False)
+    assert not torch.equal(prefilled, full[prompt, False])          # the int8 GEMMs ran
+    assert (prefilled - full[prompt, False]).abs().max() < 0.1 * full[prompt, False].abs().max()
+    assert torch.equal(_step(measured, prompt, True), full[prompt, True])    # scoring: fp32
+    for scored in (False, True):   # drafts' verify steps and decode steps: fp32
+        assert torch.equal(_step(measured, FULL_PRECISION_FROM - 1, scored),
+                           full[FULL_PRECISION_FROM - 1, scored])
+    measured.use_executor("onnxruntime", "fp32")
+    assert torch.equal(_step(measured, prompt, False), full[prompt, False])
+    with pytest.raises(UserError, match="an int8 prefill needs the onnxruntime executor"):
+        measured.use_executor("torch", prefill="int8")
+    with pytest.raises(UserError, match="prefill weights must be one of fp32, int8"):
+        measured.use_executor("onnxruntime", prefill="int4")
+
+
+def test_compile_measures_the_prefill_with_every_decode_level(measured):
+    stored = stored_prefills(measured.manifest)["int8"]
+    assert set(stored.losses) == {"fp32", "int8"}
+    assert all(loss >= 0 for loss in stored.losses.values())
+    assert 0 < stored.heldout["top1_agreement"] <= 1 and stored.heldout["perplexity"] > 1
+    assert stored.speedup is not None and stored.speedup > 0 and stored.tokens >= 64
+    assert level_loss(measured.manifest, "int8", "int8") == stored.losses["int8"]
+    assert level_loss(measured.manifest, "fp32", "fp32") == 0.0
+    assert level_loss(measured.manifest, "int4", "int8") is None   # never measured together
+    validate(measured.manifest, "here")
+
+
+def test_the_guard_bounds_the_prefill_and_the_decode_level_together():
+    manifest = {"precisions": [], "prefill_precisions": [StoredPrefill(
+        "int8", {"fp32": 0.02, "int8": 0.05}, {}, 1.7, 512).to_json()]}
+    check_precision(manifest, "fp32", QualityGuard(0.02), "int8")
+    with pytest.raises(UserError, match="fp32 weights after an int8 prefill cost quality loss "
+                                        "0.020 .* over the guard's 0.01"):
+        check_precision(manifest, "fp32", QualityGuard(0.01), "int8")
+    with pytest.raises(UserError, match="int4 weights after an int8 prefill were never measured"):
+        check_precision(manifest, "int4", QualityGuard(1.0), "int8")
+    assert resolve_prefill(manifest, "auto", "fp32", QualityGuard(0.02)) == "int8"
+    assert resolve_prefill(manifest, "auto", "int8", QualityGuard(0.02)) == "fp32"
+    assert resolve_prefill(manifest, "auto", "int4", QualityGuard(1.0)) == "fp32"
+    slower = copy.deepcopy(manifest)
+    slower["prefill_precisions"][0]["speedup"] = 0.9
+    assert resolve_prefill(slower, "auto", "fp32", QualityGuard(1.0)) == "fp32"
+    assert resolve_prefill(manifest, "fp32", "fp32", QualityGuard(0.0)) == "fp32"
+    check_precision({}, "fp32", QualityGuard(0.0))   # the full path needs no measurement
+    with pytest.raises(UserError, match="after an int8 prefill were never measured"):
+        check_precision({}, "fp32", QualityGuard(0.0), "int8")
+
+
+def test_the_linears_input_ranges_are_stored_and_smooth_the_prefill(measured):
+    """compile records each linear's input channel maxima on calibration text; the artifact
+    stores them (listed with a sha256) and loads them back; the int8 prefill's linears are
+    smoothed by them."""
+    from safetensors.torch import load_file
+
+    from rbcompile.artifact.decoder import ACTIVATION_FILE
+    from rbcompile.artifact.manifest import read
+
+    folder = measured.tokenizer_dir
+    assert read(folder)["decoder"]["activation_max"] == ACTIVATION_FILE
+    assert ACTIVATION_FILE in read(folder)["files"]["sha256"]
+    maxima = measured.decoder.activation_max
+    stored = load_file(str(folder / ACTIVATION_FILE))
+    assert maxima.keys() == stored.keys() and all(torch.equal(maxima[k], stored[k]) for k in maxima)
+    measured.use_executor("onnxruntime", "fp32", prefill="int8")
+    linears = measured.decoder.executor.linear_weights()
+    assert set(linears) - {"lm_head.weight"} <= set(maxima)
+    hidden = measured.hf_config["hidden_size"]
+    assert maxima[linears[0]].shape == (hidden,) and (maxima[linears[0]] > 0).all()
+    packed = measured.decoder.executor.array(linears[0] + "@int8-token")
+    assert packed.inverse_smooth is not None and packed.inverse_smooth.shape == (hidden,)
+
+
+@pytest.mark.parametrize("entry", [
+    {"level": "int4", "losses": {"fp32": 0.1}, "heldout": {}},
+    {"level": "int8", "losses": {}, "heldout": {}},
+    {"level": "int8", "losses": {"fp16": 0.1}, "heldout": {}},
+    {"level": "int8", "losses": {"fp32": -1}, "heldout": {}},
+    {"level": "int8", "losses": {"fp32": 0.1}, "heldout": {}, "speedup": 0},
+])
+def test_malformed_prefill_entries_are_refused(measured, entry):
+    manifest = dict(measured.manifest, prefill_precisions=[entry])
+    with pytest.raises(UserError, match="prefill_precisions must be a list"):
+        validate(manifest, "here")
