@@ -2,8 +2,9 @@
 tokens/s, peak RSS and the size on disk of what it loads, each engine alone in a fresh process
 (peak RSS is per process), runs interleaved across engines, medians reported.
 
-Contenders: rbcompile's onnxruntime executor at fp32 / int4 weights (an artifact) and on a packed
-artifact (`compile --weights int4`), HF transformers `generate`, and the peers of
+Contenders: rbcompile's onnxruntime executor at fp32 / int4 weights (an artifact), at fp32 with
+prompts prefilled at int8, and on a packed artifact (`compile --weights int4`), HF transformers
+`generate`, and the peers of
 benchmarks/peers.py where installed (`make bench-peers`). Greedy; the prompt is the first
 --prompt-tokens tokens of Emma (shared data, else the bundled text).
 
@@ -26,9 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
 
-# contender -> the executor's weights; "int4 artifact": one compiled with --weights int4, whose
-# stored blocks load as fp32 tensors
-RBCOMPILE = {"rbcompile fp32": "fp32", "rbcompile int4": "int4", "rbcompile int4 artifact": "fp32"}
+# contender -> the executor's (weights, prefill weights); "int4 artifact": one compiled with
+# --weights int4, whose stored blocks load as fp32 tensors
+RBCOMPILE = {"rbcompile fp32": ("fp32", "fp32"), "rbcompile fp32, int8 prefill": ("fp32", "int8"),
+             "rbcompile int4": ("int4", "fp32"), "rbcompile int4 artifact": ("fp32", "fp32")}
 # prompt lookup changes decoding, not what a user pays to load and prefill: left out
 CONTENDERS = (*RBCOMPILE, "HF generate", *(p for p in peers.PEERS if p not in peers.LOOKUP))
 
@@ -54,7 +56,8 @@ def _rbcompile_child(name: str, args, ids: list[int]) -> dict:
     folder = args.packed_artifact if name == "rbcompile int4 artifact" else args.artifact
     torch.set_num_threads(args.threads)
     model = rbcompile.load(folder)
-    model.use_executor("onnxruntime", RBCOMPILE[name], threads=args.threads)
+    weights, prefill = RBCOMPILE[name]
+    model.use_executor("onnxruntime", weights, threads=args.threads, prefill=prefill)
     prompt = torch.tensor([ids])
     model.generate(prompt, torch.ones_like(prompt), max_new_tokens=2)        # sessions built
     return _two_calls(lambda n: model.generate(prompt, torch.ones_like(prompt),

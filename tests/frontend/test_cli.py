@@ -53,6 +53,8 @@ def test_inspect_table_json_and_budget(llama_artifact, capsys):
     assert "prunable regions" in summary and "model.layers.3.mlp" not in summary
     assert re.search(r"int4 weights: perplexity [\d.]+, top-1 agreement [\d.]+%, quality loss",
                      summary)
+    assert re.search(r"int8 prefill: quality loss decoding at fp32 [\d.]+, int8 [\d.]+, int4 "
+                     r"[\d.]+, int4-fp32 [\d.]+, [\d.]+x fp32 on a \d+-token prompt", summary)
     assert main(["inspect", str(llama_artifact), "--verbose"]) == 0
     table = capsys.readouterr().out
     assert "model.layers.3.mlp" in table and "SKIP" not in table

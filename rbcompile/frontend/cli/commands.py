@@ -83,7 +83,8 @@ def _cmd_inspect(args) -> None:
     if args.json:
         payload = {"source": manifest["source"], "architecture": manifest["architecture"],
                    "regions": regions, "plans": manifest.get("plans"),
-                   "precisions": manifest.get("precisions")}
+                   "precisions": manifest.get("precisions"),
+                   "prefill_precisions": manifest.get("prefill_precisions")}
         if setting:
             payload["budget"] = {"budget": args.budget, "skipped_regions": skipped,
                                  "narrowed_regions": narrowed, "skipped_prunable_flops": saved}
@@ -139,6 +140,11 @@ def _print_plans(manifest: dict) -> None:
         print(f"  {level['level']} weights: perplexity {heldout['perplexity']:.2f}, top-1 "
               f"agreement {heldout['top1_agreement']:.1%}, quality loss "
               f"{level['decoder_quality_loss']:.3f}{speed}")
+    for prefill in manifest.get("prefill_precisions", []):   # --prefill-weights
+        losses = ", ".join(f"{level} {loss:.3f}" for level, loss in prefill["losses"].items())
+        speed = (f", {prefill['speedup']:.2f}x fp32 on a {prefill['tokens']}-token prompt"
+                 if prefill.get("speedup") else "")
+        print(f"  {prefill['level']} prefill: quality loss decoding at {losses}{speed}")
 
 
 CURVE_DEFAULTS = {"decoder": {"samples": 4, "seq": 512, "batch": 1},
