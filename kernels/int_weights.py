@@ -35,6 +35,7 @@ class PackedWeight:
     out_features: int
     in_features: int
     offsets: np.ndarray | None = None
+    inverse_smooth: np.ndarray | None = None   # [in]: the input is multiplied by it first
 
     @property
     def blocks(self) -> int:
@@ -42,15 +43,19 @@ class PackedWeight:
 
 
 def quantize(weight: torch.Tensor, bits: int, block_size: int = DEFAULT_BLOCK,
-             symmetric: bool | None = None) -> PackedWeight:
+             symmetric: bool | None = None, smooth: torch.Tensor | None = None) -> PackedWeight:
     """Group-wise quantization of a [out, in] weight (in padded with zeros to whole blocks);
-    `symmetric` defaults to True for 8 bits, False for 4."""
+    `symmetric` defaults to True for 8 bits, False for 4. With `smooth` [in]
+    (token_int8.smoothing), the weight's input channels are multiplied by it first and the
+    graph divides its input by it: int8 activations then lose less to outlier channels."""
     if bits not in LEVELS.values():
         raise ValueError(f"bits must be one of {sorted(LEVELS.values())}, got {bits}")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     symmetric = bits == 8 if symmetric is None else symmetric
     out_features, in_features = weight.shape
+    if smooth is not None:
+        weight = weight.detach().float() * smooth[None, :]
     blocks = -(-in_features // block_size)
     padded = torch.zeros(out_features, blocks * block_size, dtype=torch.float32)
     padded[:, :in_features] = weight.detach().float()
@@ -68,8 +73,9 @@ def quantize(weight: torch.Tensor, bits: int, block_size: int = DEFAULT_BLOCK,
     values = values.to(torch.uint8)
     if bits == 4:
         values = values[..., 0::2] | (values[..., 1::2] << 4)
+    inverse = None if smooth is None else (1 / smooth.float()).contiguous().numpy()
     return PackedWeight(values.contiguous().numpy(), scales.reshape(-1).contiguous().numpy(),
-                        bits, block_size, out_features, in_features, offsets)
+                        bits, block_size, out_features, in_features, offsets, inverse)
 
 
 def _nonzero(scales: torch.Tensor) -> torch.Tensor:
@@ -87,7 +93,10 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
     full = (values - 2 ** (packed.bits - 1)) * scales
     if packed.offsets is not None:
         full = full + torch.from_numpy(packed.offsets)[..., None]
-    return full.reshape(packed.out_features, -1)[:, :packed.in_features].contiguous()
+    full = full.reshape(packed.out_features, -1)[:, :packed.in_features]
+    if packed.inverse_smooth is not None:
+        full = full * torch.from_numpy(packed.inverse_smooth)[None, :]
+    return full.contiguous()
 
 
 def reference_linear(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:

@@ -36,6 +36,10 @@ from rbcompile.kernels.token_int8 import ChannelInt8, quantize_channels, smoothi
 # int4 MatMulNBits is slower than fp32 on GEMMs), or `prefill_precision`; drafts verify in
 # shorter steps, so lossless drafting never runs the prefill's precision
 FULL_PRECISION_FROM = 32
+SMOOTHED_LEVELS = ("int8",)
+# smoothing's alpha for MatMulNBits int8, whose activations are quantized per block of 32:
+# 0.5 and 0.6 measured best (docs/executor.md); the per-token prefill's is token_int8.ALPHA
+BLOCK_ALPHA = 0.5
 # steps of several rows and at least this many tokens (batched prefills) run row by row:
 # GroupQueryAttention then takes each row from its first kept token, where the batched
 # plain-ops attention scores every row over the whole cache (docs/executor.md, "Batched prefills")
@@ -121,8 +125,15 @@ class StepExecutor:
             rows = (self.tensors[keys[0]] if len(keys) == 1 else
                     torch.cat([self.tensors[key] for key in keys]))
             self.arrays[name] = (self._token_int8(keys[0], rows) if level == TOKEN_INT8 else
-                                 quantize(rows, LEVELS[level]) if level else rows.numpy())
+                                 self._blocks(keys[0], rows, level) if level else rows.numpy())
         return self.arrays[name]
+
+    def _blocks(self, key: str, rows: torch.Tensor, level: str) -> PackedWeight:
+        """`rows` as MatMulNBits blocks at `level`; int8 smoothed by the input's calibration
+        maxima where known (int4 keeps its blocks: a GGUF source's come back exactly)."""
+        maxima = self.activation_max.get(key) if level in SMOOTHED_LEVELS else None
+        return quantize(rows, LEVELS[level],
+                        smooth=None if maxima is None else smoothing(maxima, rows, BLOCK_ALPHA))
 
     def _token_int8(self, key: str, rows: torch.Tensor) -> ChannelInt8:
         """`rows` (the weights reading one input, stacked) as an int8-token linear, smoothed

@@ -176,7 +176,10 @@ class _Builder:
 
     def _int_linear(self, x: str, name: str, packed: PackedWeight, accuracy_level: int,
                     out: str | None) -> str:
-        """MatMulNBits, plus for asymmetric blocks their offsets times the input's block sums."""
+        """MatMulNBits (on the input divided by the smoothing, if any), plus for asymmetric
+        blocks their offsets times the input's block sums."""
+        if packed.inverse_smooth is not None:
+            x = self.op("Mul", [x, self._packed(name, "inverse_smooth", packed.inverse_smooth)])
         names = [self._packed(name, part, value) for part, value in
                  (("q", packed.data), ("scales", packed.scales))]
         y = self.op("MatMulNBits", [x, *names], domain=MS_DOMAIN, K=packed.in_features,

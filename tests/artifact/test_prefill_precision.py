@@ -95,10 +95,10 @@ def test_the_guard_bounds_the_prefill_and_the_decode_level_together():
         check_precision({}, "fp32", QualityGuard(0.0), "int8")
 
 
-def test_the_linears_input_ranges_are_stored_and_smooth_the_prefill(measured):
+def test_the_linears_input_ranges_are_stored_and_smooth_int8(measured):
     """compile records each linear's input channel maxima on calibration text; the artifact
-    stores them (listed with a sha256) and loads them back; the int8 prefill's linears are
-    smoothed by them."""
+    stores them (listed with a sha256) and loads them back; the int8 prefill's linears and the
+    int8 decode level's are smoothed by them, int4's are not."""
     from safetensors.torch import load_file
 
     from rbcompile.artifact.decoder import ACTIVATION_FILE
@@ -115,8 +115,11 @@ def test_the_linears_input_ranges_are_stored_and_smooth_the_prefill(measured):
     assert set(linears) - {"lm_head.weight"} <= set(maxima)
     hidden = measured.hf_config["hidden_size"]
     assert maxima[linears[0]].shape == (hidden,) and (maxima[linears[0]] > 0).all()
-    packed = measured.decoder.executor.array(linears[0] + "@int8-token")
-    assert packed.inverse_smooth is not None and packed.inverse_smooth.shape == (hidden,)
+    executor = measured.decoder.executor
+    for level in ("int8-token", "int8"):   # the int8 prefill's and the int8 decode level's
+        packed = executor.array(f"{linears[0]}@{level}")
+        assert packed.inverse_smooth is not None and packed.inverse_smooth.shape == (hidden,)
+    assert executor.array(f"{linears[0]}@int4").inverse_smooth is None   # blocks kept as given
 
 
 @pytest.mark.parametrize("entry", [

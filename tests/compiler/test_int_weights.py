@@ -57,6 +57,29 @@ def test_matmul_nbits_matches_the_reference(level, out_features, in_features, ro
     assert (got - expected).abs().max() <= TOLERANCE[level] * expected.abs().max()
 
 
+@pytest.mark.parametrize("out_features,in_features", [(7, 32), (33, 100)])
+def test_smoothed_int8_blocks_match_the_reference_and_flatten_outlier_channels(out_features,
+                                                                              in_features):
+    """Smoothing moves an outlier input channel's range into the weight: the graph (input
+    divided by the factors, then MatMulNBits) still matches `reference_linear`, and its output
+    is closer to the fp32 linear's than without."""
+    from rbcompile.kernels.token_int8 import smoothing
+
+    generator = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    x = torch.randn(1, 6, in_features, generator=generator)
+    x[..., 5] *= 100
+    smooth = smoothing(x.abs().flatten(0, 1).amax(0), weight, 0.5)
+    smoothed = quantize(weight, 8, smooth=smooth)
+    assert smoothed.inverse_smooth is not None and smoothed.inverse_smooth.shape == (in_features,)
+    expected = reference_linear(x, smoothed)
+    got = _graph_linear(smoothed, x, "int8")
+    assert (got - expected).abs().max() <= TOLERANCE["int8"] * expected.abs().max()
+    exact = torch.nn.functional.linear(x, weight)
+    plain = _graph_linear(quantize(weight, 8), x, "int8")
+    assert (got - exact).abs().mean() < (plain - exact).abs().mean()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantization_error_is_at_most_half_a_step(bits):
     weight = torch.randn(40, 100) * 0.1

@@ -88,8 +88,8 @@ def test_schema_1_artifact_is_replaced_but_not_loaded(artifact, tiny_checkpoints
     manifest = json.loads((old / "manifest.json").read_text())
     manifest["schema_version"] = 1
     del manifest["files"]["sha256"]
-    for name in ("decoder_graph.json", "decoder.py"):  # schema 1 had no KV-cached decoder
-        (old / name).unlink()
+    for name in ("decoder_graph.json", "decoder.py", "activation-max.safetensors"):
+        (old / name).unlink()   # schema 1 had no KV-cached decoder
     del manifest["decoder"]
     (old / "manifest.json").write_text(json.dumps(manifest))
     assert main(["inspect", str(old)]) == 2
