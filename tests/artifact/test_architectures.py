@@ -5,11 +5,12 @@ import re
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_tiny_model
 
 import rbcompile
 from rbcompile.artifact.architectures import REGISTRY, lookup
 from rbcompile.errors import UserError
+
+from conftest import TINY_VOCAB, make_tiny_model
 
 # decoders of issue 19: transformers config class and the settings that exercise what each adds
 DECODERS = {
@@ -49,6 +50,7 @@ ROBERTA_ALIASES = {"xlm-roberta": "XLMRobertaConfig", "camembert": "CamembertCon
 def _roberta_alias(model_type: str, head: str | None = None):
     """The tiny RoBERTa of tests/artifact/test_task_heads.py as an XLM-RoBERTa / CamemBERT model."""
     import transformers
+
     from shared import make_encoder
     roberta = make_encoder("roberta", head).config.to_dict()
     roberta.pop("model_type")
@@ -159,10 +161,10 @@ def test_decoders_parity_regions_skips_and_cached_generate(model_type):
     window must count positions, not slots). Both graphs are compiled as on CUDA (stacked
     projections: q / k norms per head in Qwen3, over the whole projection in OLMo 2; Phi-3's
     come stacked)."""
+    from rbcompile.artifact.module import stacks
+
     from conftest import eager_outputs, max_diff, random_batch
     from shared import DECODER_PROMPTS, hf_new_tokens, reference_without
-
-    from rbcompile.artifact.module import stacks
 
     model = tiny_model(model_type)
     compiled = rbcompile.compile(model, stack_projections=True)
@@ -195,12 +197,12 @@ def test_width_permutation_is_exact_and_narrowing_keeps_to_prefixes(model_type):
     each permuted in their own index space, OLMo 2's q/k norm weights with their heads); a
     width level narrows only what a prefix expresses (Qwen3 both; OLMo 2 its MLPs, its q/k
     norms spanning all heads; Phi-3 nothing, its projections fused)."""
-    from conftest import eager_outputs, random_batch
-
     from rbcompile.compiler.driver import generate_module
     from rbcompile.compiler.trace import example_inputs, trace
     from rbcompile.compiler.width import narrowed_model
     from rbcompile.passes import CALIBRATED_PIPELINE, PassContext, run_pipeline
+
+    from conftest import eager_outputs, random_batch
 
     model = tiny_model(model_type)
     with torch.no_grad():  # norms initialised to ones would hide a norm weight left unpermuted
@@ -249,11 +251,11 @@ def test_fusion_recognises_the_norms_and_activations_or_says_what_it_left(model_
     """Llama-form RMSNorms (q/k norms too), SwiGLU in either operand order (Phi-3's
     `up * silu(gate)`) and the rotary embedding of q and k are fused; Gemma's `(1 + w)` norms
     are left and named in the pass log; the fused full path still equals eager."""
-    from conftest import eager_outputs, random_batch
-
     from rbcompile.compiler.driver import generate_module
     from rbcompile.compiler.trace import example_inputs, trace
     from rbcompile.passes import PIPELINE, PassContext, run_pipeline
+
+    from conftest import eager_outputs, random_batch
 
     model = tiny_model(model_type)
     architecture = lookup(model.config)
@@ -285,8 +287,9 @@ def test_fusion_recognises_the_norms_and_activations_or_says_what_it_left(model_
 def test_mistral_sliding_window_in_the_cached_decoder():
     """Mistral slides every layer (no per-layer types): with a window shorter than the text,
     the cached decoder still generates HF's greedy tokens, with n-gram drafts too."""
-    from shared import DECODER_PROMPTS, hf_new_tokens
     from transformers import AutoModelForCausalLM
+
+    from shared import DECODER_PROMPTS, hf_new_tokens
 
     config = _extra_config("mistral")
     config.sliding_window, config.bos_token_id, config.eos_token_id = 4, 1, 2

@@ -84,8 +84,9 @@ def test_saving_over_an_artifact_replaces_it_and_refuses_other_folders(compiled_
 
 def test_tied_weights_are_stored_once(tmp_path):
     """torch.export reads a tied embedding/head through one attribute: one tensor on disk."""
-    from conftest import tiny_config
     from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
     config = tiny_config("llama")
     config.tie_word_embeddings = True
     model = AutoModelForCausalLM.from_config(config).eval()

@@ -181,11 +181,11 @@ def test_generated_code_routes_grouped_attention_and_older_artifacts_keep_theirs
     attention (the ONNX export's code, its `enable_gqa` version); an IR without the key (an
     artifact from before) regenerates the code it was saved with: SDPA with enable_gqa. Both
     compute the eager model's outputs."""
-    from conftest import make_tiny_model, random_batch
-
     import rbcompile
     from rbcompile.artifact.codegen import generate_source
     from rbcompile.artifact.module import attach_weights, instantiate
+
+    from conftest import make_tiny_model, random_batch
 
     eager = make_tiny_model("llama")
     compiled = rbcompile.compile(make_tiny_model("llama"))
@@ -213,10 +213,10 @@ def test_generated_code_routes_grouped_attention_and_older_artifacts_keep_theirs
 def test_a_half_decoder_folds_its_decode_steps_and_generates_eagers_tokens(dtype, monkeypatch):
     """In 16-bit floats on CPU the KV-cached decoder's steps (one query, the cache's mask)
     fold. Greedy tokens equal transformers' in the same dtype."""
+    import rbcompile
+
     from conftest import make_tiny_model
     from shared import DECODER_PROMPTS, hf_new_tokens
-
-    import rbcompile
 
     eager = make_tiny_model("llama").to(dtype)
     compiled = rbcompile.compile(make_tiny_model("llama"), dtype=dtype)

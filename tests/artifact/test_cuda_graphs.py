@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_tiny_model, unguarded
-from shared import FakeCapture
 from torch.overrides import TorchFunctionMode
 
 import rbcompile
 from rbcompile.artifact.cuda_graphs import GraphCache
+
+from conftest import TINY_VOCAB, make_tiny_model, unguarded
+from shared import FakeCapture
 
 
 def _cache(run, **kwargs):

@@ -5,12 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from shared import DECODER_PROMPTS, hf_new_tokens
 
 import rbcompile
 from rbcompile.artifact.cache_pool import zeros
 from rbcompile.errors import UserError
 from rbcompile.runtime.engine.kv_cache import step_inputs
+
+from shared import DECODER_PROMPTS, hf_new_tokens
 
 
 @pytest.fixture(scope="module")

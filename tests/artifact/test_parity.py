@@ -1,9 +1,10 @@
 """The full path equals the original model (fp32 max abs diff <= 1e-5)."""
 import pytest
 import torch
-from conftest import ARCHS, eager_outputs, max_diff, random_batch
 
 import rbcompile
+
+from conftest import ARCHS, eager_outputs, max_diff, random_batch
 
 TOL = 1e-5
 

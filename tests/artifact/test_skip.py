@@ -2,6 +2,7 @@
 import copy
 
 import pytest
+
 from conftest import ARCHS, eager_outputs, max_diff, random_batch
 from shared import identity_layer_hook, reference_without
 

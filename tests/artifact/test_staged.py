@@ -2,9 +2,10 @@
 smaller batch from the start."""
 import pytest
 import torch
-from conftest import ARCHS, random_batch
 
 from rbcompile.artifact.staged import StagedRunner
+
+from conftest import ARCHS, random_batch
 
 
 def _setting(compiled, seed):

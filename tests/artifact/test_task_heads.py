@@ -6,6 +6,10 @@ import json
 
 import pytest
 import torch
+
+import rbcompile
+from rbcompile.frontend.cli import main
+
 from conftest import labelled_words, random_batch, tiny_config
 from shared import (
     LABELS,
@@ -16,9 +20,6 @@ from shared import (
     reference_without,
     save_checkpoint,
 )
-
-import rbcompile
-from rbcompile.frontend.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,13 @@ import json
 
 import pytest
 import torch
-from conftest import unguarded, word_text
 
 import rbcompile
 from rbcompile.calibration_data import decoder_windows, load_texts
 from rbcompile.errors import UserError
 from rbcompile.frontend.cli import main
+
+from conftest import unguarded, word_text
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 artifacts and ONNX export of fused modules, and the torch.compile backend with kernels."""
 import pytest
 import torch
-from conftest import TINY_VOCAB, eager_outputs, make_tiny_model, max_diff, unguarded
 
 import rbcompile
+
+from conftest import TINY_VOCAB, eager_outputs, make_tiny_model, max_diff, unguarded
 
 # arch -> (ops the pass must add, ops it must remove entirely)
 EXPECTED = {

@@ -1,13 +1,14 @@
 """Graph contents after the passes, the pass contracts and the debug dump."""
 import pytest
 import torch
-from conftest import make_tiny_model
 from torch.utils._pytree import tree_leaves
 
 from rbcompile.artifact.architectures import lookup
 from rbcompile.compiler.trace import example_inputs, trace
 from rbcompile.passes import PIPELINE, PassContext, run_pipeline
 from rbcompile.passes.base import KIND, REGION, UNIT, compute_nodes, module_path
+
+from conftest import make_tiny_model
 
 aten = torch.ops.aten
 
@@ -250,9 +251,9 @@ def test_grouped_kv_heads_are_read_in_place_on_cuda_too(monkeypatch):
 def test_the_backends_decomposed_attentions_share_their_mask_conversion():
     """aot_autograd decomposes each attention with its own `where(mask, 0, -inf)`: the later
     ones are replaced by one made where the mask is."""
-    from conftest import TINY_VOCAB
-
     from rbcompile.frontend import backend
+
+    from conftest import TINY_VOCAB
 
     torch._dynamo.reset()
     backend.reset()

@@ -1,10 +1,11 @@
 """The width permutation pass: exact (full path unchanged) and importance-ordered."""
 import pytest
 import torch
-from conftest import ARCHS, eager_outputs, make_tiny_model, max_diff, random_batch
 
 import rbcompile
 from rbcompile.passes.permute_width import head_orders
+
+from conftest import ARCHS, eager_outputs, make_tiny_model, max_diff, random_batch
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,13 @@ import itertools
 
 import pytest
 import torch
-from conftest import eager_outputs, max_diff, random_batch
 
 import rbcompile
 from rbcompile.artifact.codegen import generate_source
 from rbcompile.artifact.ir import check_ir
 from rbcompile.errors import UserError
+
+from conftest import eager_outputs, max_diff, random_batch
 
 
 def _seams(ir: dict) -> list[dict]:

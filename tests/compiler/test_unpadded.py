@@ -4,14 +4,15 @@ without a mask, causal for decoders) and that it equals eager transformers, thro
 interpreter, one compiled function per plan and CUDA graphs (a fake capture)."""
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_tiny_model
-from shared import FakeCapture
 from torch.fx.operator_schemas import normalize_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rbcompile
 from rbcompile.artifact.ir import check_ir
 from rbcompile.errors import UserError
+
+from conftest import TINY_VOCAB, make_tiny_model
+from shared import FakeCapture
 
 _SDPA = "aten.scaled_dot_product_attention.default"
 

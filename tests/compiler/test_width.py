@@ -1,9 +1,10 @@
 """Elastic width: narrowed regions equal the model without the dropped heads / channels."""
 import pytest
 import torch
-from conftest import eager_outputs, make_tiny_model, max_diff, random_batch
 
 import rbcompile
+
+from conftest import eager_outputs, make_tiny_model, max_diff, random_batch
 
 
 def _module(model, path):

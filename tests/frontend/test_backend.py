@@ -5,9 +5,10 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, make_tiny_model
 
 from rbcompile.frontend import backend
+
+from conftest import TINY_VOCAB, make_tiny_model
 
 STRICT_EAGER = {"strict": True, "regions": "eager"}
 # the backend's plans are never measured: a lossy budget needs them allowed (rbcompile/artifact/guard.py)

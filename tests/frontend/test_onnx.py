@@ -6,7 +6,6 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import ARCHS, random_batch
 
 import rbcompile
 from rbcompile.artifact.ort_threads import session_options
@@ -18,6 +17,8 @@ from rbcompile.frontend.onnx_export import (
     validate_onnx,
     validation_settings,
 )
+
+from conftest import ARCHS, random_batch
 
 ATOL = 1e-4
 

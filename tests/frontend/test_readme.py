@@ -46,10 +46,10 @@ def artifacts(compiled_tiny, tmp_path_factory):
     """The README's artifact folders, as tiny artifacts of the same family (the decoder's
     weight precisions measured, as `rbcompile compile` does). Like the bundled SmolLM2 (a GGUF
     of int4 blocks), the tiny llama's block linears are int4 blocks."""
-    from conftest import make_tiny_model, save_tiny_tokenizer
-
     import rbcompile
     from rbcompile.kernels.int_weights import dequantize, quantize
+
+    from conftest import make_tiny_model, save_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("readme")
     eager = make_tiny_model("llama")
