@@ -110,6 +110,7 @@ class _Builder:
     constants: list = field(default_factory=list)      # small tensors stored in the graph
     prepack: bool = False    # fp32 weights are initializers too (onnxruntime prepacks them)
     counter: int = 0
+    prescaled: set = field(default_factory=set)   # outputs already divided by the smoothing
 
     def name(self, stem: str) -> str:
         self.counter += 1
@@ -178,8 +179,7 @@ class _Builder:
                     out: str | None) -> str:
         """MatMulNBits (on the input divided by the smoothing, if any), plus for asymmetric
         blocks their offsets times the input's block sums."""
-        if packed.inverse_smooth is not None:
-            x = self.op("Mul", [x, self._packed(name, "inverse_smooth", packed.inverse_smooth)])
+        x = self._smoothed(x, name, packed)
         names = [self._packed(name, part, value) for part, value in
                  (("q", packed.data), ("scales", packed.scales))]
         y = self.op("MatMulNBits", [x, *names], domain=MS_DOMAIN, K=packed.in_features,
@@ -202,8 +202,7 @@ class _Builder:
         weight, scaled back by the token's and the channel's scales
         (token_int8.reference_linear)."""
         packed: ChannelInt8 = self.source(name)
-        if packed.inverse_smooth is not None:
-            x = self.op("Mul", [x, self._packed(name, "inverse_smooth", packed.inverse_smooth)])
+        x = self._smoothed(x, name, packed)
         peak = self.op("ReduceMax", [self.op("Abs", [x]), self.ints(-1)], keepdims=1)
         scale = self.op("Div", [self.op("Max", [peak, self.const("tiny", np.float32(TINY))]),
                                 self.const("limit", np.float32(LIMIT))])
@@ -215,6 +214,20 @@ class _Builder:
         y = self.op("Mul", [self.op("Cast", [products], to=TensorProto.FLOAT), scale])
         return self.op("Mul", [y, self._packed(name, "scales", packed.scales)], out=out)
 
+    def _smoothed(self, x: str, name: str, packed) -> str:
+        """x divided by `packed`'s smoothing (where it has one and a norm has not done it)."""
+        if packed.inverse_smooth is None or x in self.prescaled:
+            return x
+        return self.op("Mul", [x, self._packed(name, "inverse_smooth", packed.inverse_smooth)])
+
+    def smoothing(self, keys: list[str]) -> np.ndarray | None:
+        """The input scaling the linears of `keys` share: their packed group's smoothing, where
+        they are all at one lower precision and it has one (None: their input goes as it is)."""
+        levels = {self.variant.level(key) for key in keys}
+        if len(levels) != 1 or "fp32" in levels:
+            return None
+        return getattr(self.source(f"{fused_name(keys)}@{levels.pop()}"), "inverse_smooth", None)
+
     def _packed(self, key: str, part: str, value: np.ndarray) -> str:
         name = f"{key}.{part}"
         self.initializers.setdefault(name, value)
@@ -225,19 +238,32 @@ class _Builder:
         y = self.op("Reshape", [x, self.ints(0, 0, heads, self.shape.head_dim)])
         return self.op("Transpose", [y], perm=[0, 2, 1, 3], out=out)
 
-    def add_norm(self, x: str, residual: str | None, key: str) -> tuple[str, str]:
-        """(rms_norm(residual + x), residual + x): one fused node."""
+    def add_norm(self, x: str, residual: str | None, key: str,
+                 scale: np.ndarray | None = None) -> tuple[str, str]:
+        """(rms_norm(residual + x), residual + x): one fused node; the norm's output multiplied
+        by `scale` (its readers' smoothing, folded into the norm's weight)."""
         if residual is None:
-            return self.rms_norm(x, key), x
+            return self.rms_norm(x, key, scale), x
         names = [self.name("norm"), "", "", self.name("residual")]
         self.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization",
-                                           [x, residual, self.weight(key)], names,
+                                           [x, residual, self._norm_weight(key, scale)], names,
                                            domain=MS_DOMAIN, epsilon=self.shape.eps))
+        if scale is not None:
+            self.prescaled.add(names[0])
         return names[0], names[3]
 
-    def rms_norm(self, x: str, key: str) -> str:
-        return self.op("RMSNormalization", [x, self.weight(key)], axis=-1,
-                       epsilon=self.shape.eps)
+    def rms_norm(self, x: str, key: str, scale: np.ndarray | None = None) -> str:
+        normed = self.op("RMSNormalization", [x, self._norm_weight(key, scale)], axis=-1,
+                         epsilon=self.shape.eps)
+        if scale is not None:
+            self.prescaled.add(normed)
+        return normed
+
+    def _norm_weight(self, key: str, scale: np.ndarray | None) -> str:
+        """A norm's weight, times `scale` where given (a constant of its own)."""
+        if scale is None:
+            return self.weight(key)
+        return self._packed(key, "smoothed", (self.source(key) * scale).astype(np.float32))
 
 
 def build_step_graph(shape: StepShape, variant: StepVariant, source: Callable,
@@ -256,8 +282,9 @@ def build_step_graph(shape: StepShape, variant: StepVariant, source: Callable,
     residual = None   # x = residual + the pending branch output (folded into the next norm)
     for layer in range(shape.layers):
         p = f"model.layers.{layer}."
-        h, residual = b.add_norm(x, residual, p + "input_layernorm.weight")
         keys = [f"{p}self_attn.{kind}_proj" for kind in "qkv"]
+        h, residual = b.add_norm(x, residual, p + "input_layernorm.weight",
+                                 b.smoothing([key + ".weight" for key in keys]))
         q, k, v = b.linear(h, [key + ".weight" for key in keys],
                            [key + ".bias" for key in keys] if qkv_bias else None)
         q, k = (b.op("RotaryEmbedding", [y, "position_ids", *rotary], domain=MS_DOMAIN,
@@ -279,12 +306,15 @@ def build_step_graph(shape: StepShape, variant: StepVariant, source: Callable,
         x = b.linear(attended, [p + "self_attn.o_proj.weight"])[0]
         if layer in variant.skipped_mlps:
             continue
-        h, residual = b.add_norm(x, residual, p + "post_attention_layernorm.weight")
-        gate, up = b.linear(h, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        mlp_in = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        h, residual = b.add_norm(x, residual, p + "post_attention_layernorm.weight",
+                                 b.smoothing(mlp_in))
+        gate, up = b.linear(h, mlp_in)
         x = b.linear(b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate])]), up]),
                      [p + "mlp.down_proj.weight"])[0]
     x = b.op("Gather", [b.op("Add", [residual, x]), "logit_positions"], axis=1)
-    b.linear(b.rms_norm(x, "model.norm.weight"), ["lm_head.weight"], out="logits")
+    b.linear(b.rms_norm(x, "model.norm.weight", b.smoothing(["lm_head.weight"])),
+             ["lm_head.weight"], out="logits")
     return _model(b, shape, variant.fused_attention), b.initializers, b.weight_inputs
 
 
