@@ -220,13 +220,15 @@ class _Builder:
             return x
         return self.op("Mul", [x, self._packed(name, "inverse_smooth", packed.inverse_smooth)])
 
-    def smoothing(self, keys: list[str]) -> np.ndarray | None:
-        """The input scaling the linears of `keys` share: their packed group's smoothing, where
-        they are all at one lower precision and it has one (None: their input goes as it is)."""
+    def smoothing(self, keys: list[str]) -> str | None:
+        """The packed weight whose input scaling (smoothing) the linears of `keys` share: their
+        group's, where they are all at one lower precision and it has one (None: their input
+        goes as it is)."""
         levels = {self.variant.level(key) for key in keys}
         if len(levels) != 1 or "fp32" in levels:
             return None
-        return getattr(self.source(f"{fused_name(keys)}@{levels.pop()}"), "inverse_smooth", None)
+        name = f"{fused_name(keys)}@{levels.pop()}"
+        return name if getattr(self.source(name), "inverse_smooth", None) is not None else None
 
     def _packed(self, key: str, part: str, value: np.ndarray) -> str:
         name = f"{key}.{part}"
@@ -239,31 +241,34 @@ class _Builder:
         return self.op("Transpose", [y], perm=[0, 2, 1, 3], out=out)
 
     def add_norm(self, x: str, residual: str | None, key: str,
-                 scale: np.ndarray | None = None) -> tuple[str, str]:
-        """(rms_norm(residual + x), residual + x): one fused node; the norm's output multiplied
-        by `scale` (its readers' smoothing, folded into the norm's weight)."""
+                 scaled_for: str | None = None) -> tuple[str, str]:
+        """(rms_norm(residual + x), residual + x): one fused node; the norm's output divided by
+        the smoothing of packed weight `scaled_for` (folded into the norm's weight)."""
         if residual is None:
-            return self.rms_norm(x, key, scale), x
+            return self.rms_norm(x, key, scaled_for), x
         names = [self.name("norm"), "", "", self.name("residual")]
         self.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization",
-                                           [x, residual, self._norm_weight(key, scale)], names,
-                                           domain=MS_DOMAIN, epsilon=self.shape.eps))
-        if scale is not None:
+                                           [x, residual, self._norm_weight(key, scaled_for)],
+                                           names, domain=MS_DOMAIN, epsilon=self.shape.eps))
+        if scaled_for is not None:
             self.prescaled.add(names[0])
         return names[0], names[3]
 
-    def rms_norm(self, x: str, key: str, scale: np.ndarray | None = None) -> str:
-        normed = self.op("RMSNormalization", [x, self._norm_weight(key, scale)], axis=-1,
+    def rms_norm(self, x: str, key: str, scaled_for: str | None = None) -> str:
+        normed = self.op("RMSNormalization", [x, self._norm_weight(key, scaled_for)], axis=-1,
                          epsilon=self.shape.eps)
-        if scale is not None:
+        if scaled_for is not None:
             self.prescaled.add(normed)
         return normed
 
-    def _norm_weight(self, key: str, scale: np.ndarray | None) -> str:
-        """A norm's weight, times `scale` where given (a constant of its own)."""
-        if scale is None:
+    def _norm_weight(self, key: str, scaled_for: str | None) -> str:
+        """A norm's weight, divided by `scaled_for`'s smoothing where given: a constant named
+        after both (the same norm feeds other levels' weights in other graphs)."""
+        if scaled_for is None:
             return self.weight(key)
-        return self._packed(key, "smoothed", (self.source(key) * scale).astype(np.float32))
+        scale = self.source(scaled_for).inverse_smooth
+        return self._packed(f"{key}/{scaled_for}", "smoothed",
+                            (self.source(key) * scale).astype(np.float32))
 
 
 def build_step_graph(shape: StepShape, variant: StepVariant, source: Callable,

@@ -17,6 +17,7 @@ from rbcompile.artifact.executors import (
 )
 from rbcompile.artifact.guard import QualityGuard
 from rbcompile.artifact.manifest import validate
+from rbcompile.artifact.packed_weights import level_precision
 from rbcompile.artifact.step_executor import FULL_PRECISION_FROM
 from rbcompile.errors import UserError
 
@@ -60,6 +61,22 @@ def test_only_a_prompts_prefill_runs_at_the_prefill_precision(measured):
         measured.use_executor("torch", prefill="int8")
     with pytest.raises(UserError, match="prefill weights must be one of fp32, int8"):
         measured.use_executor("onnxruntime", prefill="int4")
+
+
+def test_the_prefill_computes_the_same_whichever_graph_was_built_first(measured):
+    """The int8 decode level and the int8 prefill smooth one norm's output by different
+    factors, each folded into a copy of the norm's weight: neither graph may read the other's."""
+    prompt = FULL_PRECISION_FROM + 8
+    results = []
+    for decode_first in (False, True):
+        measured.decoder.step_executor = None   # a fresh executor: no session built yet
+        measured.use_executor("onnxruntime", "fp32", prefill="int8")
+        executor = measured.decoder.executor
+        if decode_first:   # the int8 decode step's graphs
+            executor.prepare(level_precision("int8", executor.linear_weights()))
+        results.append(_step(measured, prompt, False))
+    assert torch.equal(results[0], results[1])
+    measured.use_executor("onnxruntime", "fp32")
 
 
 def test_compile_measures_the_prefill_with_every_decode_level(measured):
