@@ -151,3 +151,31 @@ SENTENCES = [
     "The plot meanders, but the performances are strong enough to carry it.",
     "An unfunny comedy whose jokes land with a thud, one after another, for two long hours.",
 ]
+
+
+def run_linear_graph(build, packed, x: torch.Tensor) -> torch.Tensor:
+    """One linear as the step graph builds it, run in onnxruntime on x [B, T, in]: `build(
+    builder)` adds its nodes reading "x" (step_graph._Builder over `packed`) and names its
+    output."""
+    import onnx
+    import onnxruntime
+    from onnx import TensorProto, helper
+
+    from rbcompile.artifact.ort_threads import session_options
+    from rbcompile.artifact.step_graph import MS_DOMAIN, StepShape, StepVariant, _Builder
+
+    builder = _Builder(StepShape(1, x.shape[-1], 1, 1, 1, 1, 1e-5, 1), StepVariant(),
+                       source=lambda name: packed)
+    y = build(builder)
+    width = packed.out_features
+    graph = helper.make_graph(
+        builder.nodes, "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, x.shape[-1]])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [None, None, width])],
+        builder.constants + [onnx.numpy_helper.from_array(value, name)
+                             for name, value in builder.initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
+                                                    helper.make_opsetid(MS_DOMAIN, 1)])
+    session = onnxruntime.InferenceSession(model.SerializeToString(), session_options(),
+                                           providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {"x": x.numpy()})[0])

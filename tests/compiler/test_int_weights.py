@@ -2,19 +2,11 @@
 onnxruntime's MatMulNBits, as the step graph calls it, against `reference_linear` over odd
 shapes (inputs that are not whole blocks, one row and several)."""
 import numpy as np
-import onnxruntime
 import pytest
 import torch
-from onnx import TensorProto, helper
+from shared import run_linear_graph
 
-from rbcompile.artifact.ort_threads import session_options
-from rbcompile.artifact.step_graph import (
-    ACCURACY_LEVELS,
-    MS_DOMAIN,
-    StepShape,
-    StepVariant,
-    _Builder,
-)
+from rbcompile.artifact.step_graph import ACCURACY_LEVELS
 from rbcompile.kernels.int_weights import LEVELS, dequantize, quantize, reference_linear
 
 # |graph - reference| <= TOLERANCE * max |reference|: int8 and int4 round their inputs to int8
@@ -26,21 +18,8 @@ BITS = {**LEVELS, "int4-fp32": 4}
 
 def _graph_linear(packed, x: torch.Tensor, level: str) -> torch.Tensor:
     """One int linear as the step graph builds it (`_Builder._int_linear`), run in onnxruntime."""
-    builder = _Builder(StepShape(1, packed.in_features, 1, 1, 1, 1, 1e-5, 1), StepVariant(),
-                       source=lambda name: packed)
-    y = builder._int_linear("x", "w", packed, ACCURACY_LEVELS[level], out="y")
-    graph = helper.make_graph(
-        builder.nodes, "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, packed.in_features])],
-        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, None, packed.out_features])],
-        builder.constants + [
-            __import__("onnx").numpy_helper.from_array(value, name)
-            for name, value in builder.initializers.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
-                                                    helper.make_opsetid(MS_DOMAIN, 1)])
-    session = onnxruntime.InferenceSession(model.SerializeToString(), session_options(),
-                                           providers=["CPUExecutionProvider"])
-    return torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+    return run_linear_graph(lambda builder: builder._int_linear(
+        "x", "w", packed, ACCURACY_LEVELS[level], out="y"), packed, x)
 
 
 @pytest.mark.parametrize("level", ["int8", "int4", "int4-fp32"])

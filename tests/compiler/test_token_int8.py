@@ -2,14 +2,10 @@
 builds it (`_Builder._token_int8_linear`), against the PyTorch reference over odd shapes (one
 row and several, inputs and outputs that are not multiples of anything), rows of zeros, and
 rows whose scales differ by orders of magnitude."""
-import onnx
-import onnxruntime
 import pytest
 import torch
-from onnx import TensorProto, helper
+from shared import run_linear_graph
 
-from rbcompile.artifact.ort_threads import session_options
-from rbcompile.artifact.step_graph import MS_DOMAIN, StepShape, StepVariant, _Builder
 from rbcompile.kernels.token_int8 import (
     LIMIT,
     dequantize,
@@ -25,20 +21,9 @@ TOLERANCE = {torch.float32: 1e-6}
 
 
 def _graph_linear(packed, x: torch.Tensor) -> torch.Tensor:
-    builder = _Builder(StepShape(1, packed.in_features, 1, 1, 1, 1, 1e-5, 1), StepVariant(),
-                       source=lambda name: packed)
-    y = builder._token_int8_linear("x", "w@int8-token", out="y")
-    graph = helper.make_graph(
-        builder.nodes, "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, packed.in_features])],
-        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [None, None, packed.out_features])],
-        builder.constants + [onnx.numpy_helper.from_array(value, name)
-                             for name, value in builder.initializers.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23),
-                                                    helper.make_opsetid(MS_DOMAIN, 1)])
-    session = onnxruntime.InferenceSession(model.SerializeToString(), session_options(),
-                                           providers=["CPUExecutionProvider"])
-    return torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+    """One per-token int8 linear as the step graph builds it, run in onnxruntime."""
+    return run_linear_graph(lambda builder: builder._token_int8_linear(
+        "x", "w@int8-token", out="y"), packed, x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32])
