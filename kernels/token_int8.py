@@ -24,7 +24,8 @@ import torch
 
 TINY = 1e-12   # a row of zeros gets a scale that stores it exactly (as zeros)
 LIMIT = 127
-ALPHA = 0.8    # the share of an input channel's range moved into the weight (measured: docs/executor.md)
+# the share of an input channel's range moved into the weight (measured: docs/executor.md)
+ALPHA = 0.8
 
 
 @dataclass(frozen=True)

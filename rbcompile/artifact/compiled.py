@@ -14,7 +14,7 @@ from rbcompile import __version__
 from rbcompile.artifact import manifest as manifests
 from rbcompile.artifact.atomic import write_folder
 from rbcompile.artifact.cuda_graphs import GraphCache, plan_key
-from rbcompile.artifact.decoder import ACTIVATION_FILE, DECODER_GRAPH, DECODER_SOURCE, Decoder
+from rbcompile.artifact.decoder import DECODER_GRAPH, DECODER_SOURCE, Decoder
 from rbcompile.artifact.executors import use_executor
 from rbcompile.artifact.guard import (
     DECODER,
@@ -26,6 +26,7 @@ from rbcompile.artifact.guard import (
 )
 from rbcompile.artifact.input_complexity import LengthRarityComplexity
 from rbcompile.artifact.manifest import (
+    ACTIVATION_FILE,
     CONFIG,
     GRAPH,
     MANIFEST,
@@ -329,9 +330,9 @@ class CompiledModel:
 
     def loss_path(self, path: str = FORWARD) -> str:
         """The StoredPlan.loss path that bounds `path` as it runs now: DECODER becomes the
-        decoder's weight level's (guard.decoder_path)."""
+        decoder's weight level's and prefill level's (guard.decoder_path)."""
         if path == DECODER and self.decoder is not None:
-            return decoder_path(self.decoder.weights)
+            return decoder_path(self.decoder.weights, self.decoder.prefill)
         return path
 
     def guarded_decoder_gates(self, budget: float | None) -> list[bool] | None:

@@ -20,7 +20,6 @@ from rbcompile.artifact.cuda_graphs import GraphCache, plan_key
 from rbcompile.artifact.plan_graphs import PlanGraphs
 
 DECODER_GRAPH, DECODER_SOURCE = "decoder_graph.json", "decoder.py"
-ACTIVATION_FILE = "activation-max.safetensors"   # Decoder.activation_max
 # the step's inputs before the cache tensors (trace.CachedDecoder's calling convention)
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position", "logit_positions")
 
@@ -69,7 +68,7 @@ class Decoder:
         self.weights = "fp32"  # the level `precision` gives the linears (executors.WEIGHT_LEVELS)
         self.prefill = "fp32"  # the level prompts are prefilled at (executors.PREFILL_LEVELS)
         # weight name -> its input's channel maxima on calibration text (the int8 prefill's
-        # smoothing, compiler/activations.py; stored as ACTIVATION_FILE)
+        # smoothing, compiler/activations.py; stored as manifest.ACTIVATION_FILE)
         self.activation_max: dict[str, torch.Tensor] | None = None
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16,

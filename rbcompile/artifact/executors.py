@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -141,6 +142,25 @@ def resolve_weights(manifest: dict, weights: str, guard: QualityGuard,
                     prefill: str = "fp32") -> str:
     """`weights`, or for "auto" the `fastest_level` at batch 1."""
     return fastest_level(manifest, guard, prefill=prefill) if weights == AUTO else weights
+
+
+class Levels(NamedTuple):
+    """The weight level decode steps run at and the level prompts are prefilled at."""
+    weights: str
+    prefill: str
+
+
+def resolve_levels(manifest: dict, weights: str, prefill: str, guard: QualityGuard,
+                   onnxruntime: bool) -> Levels:
+    """`weights` and `prefill` with "auto" resolved: fp32 where the onnxruntime executor will not
+    run the steps (`onnxruntime` False: only it runs other levels); else the weights' fastest
+    level whose loss with the prefill the guard allows (both "auto": the weights' first, with an
+    fp32 prefill), then the prefill's for those weights (`resolve_prefill`)."""
+    if not onnxruntime:
+        return Levels("fp32" if weights == AUTO else weights,
+                      "fp32" if prefill == AUTO else prefill)
+    weights = resolve_weights(manifest, weights, guard, "fp32" if prefill == AUTO else prefill)
+    return Levels(weights, resolve_prefill(manifest, prefill, weights, guard))
 
 
 def resolve_prefill(manifest: dict, prefill: str, weights: str, guard: QualityGuard) -> str:

@@ -29,10 +29,14 @@ _WHY = {OVER_GUARD: "its measured quality loss is over the guard",
         OBSERVED: "its live agreement checks were under the guard"}
 
 
-def decoder_path(level: str) -> str:
-    """The StoredPlan.loss path of the KV-cached decoder with its weights at `level`: a plan's
-    loss at fp32 does not bound what it costs at int4, so each pair is measured on its own
-    (compiler/precision.py) and unmeasured where it was not."""
+def decoder_path(level: str, prefill: str = "fp32") -> str:
+    """The StoredPlan.loss path of the KV-cached decoder with its weights at `level` and
+    prompts prefilled at `prefill`: a plan's loss at fp32 does not bound what it costs at int4
+    or after an int8 prefill, so each combination is measured on its own
+    (compiler/precision.py) and unmeasured where it was not (plans are not measured with a
+    prefill level: with one, every lossy plan is unmeasured)."""
+    if prefill != "fp32":
+        return f"{DECODER}@{level}+prefill-{prefill}"
     return DECODER if level == "fp32" else f"{DECODER}@{level}"
 
 

@@ -11,7 +11,6 @@ from rbcompile.artifact import manifest as manifests
 from rbcompile.artifact.codegen import generate_source
 from rbcompile.artifact.compiled import CompiledModel
 from rbcompile.artifact.decoder import (
-    ACTIVATION_FILE,
     DECODER_GRAPH,
     DECODER_SOURCE,
     STEP_INPUTS,
@@ -19,7 +18,7 @@ from rbcompile.artifact.decoder import (
     DecoderShape,
 )
 from rbcompile.artifact.ir import check_ir
-from rbcompile.artifact.manifest import CONFIG, GRAPH, MANIFEST, SOURCE, WEIGHTS
+from rbcompile.artifact.manifest import ACTIVATION_FILE, CONFIG, GRAPH, MANIFEST, SOURCE, WEIGHTS
 from rbcompile.artifact.module import attach_weights, instantiate
 from rbcompile.artifact.offramps import RAMP_FILE, OffRamps
 from rbcompile.artifact.packed_weights import unpack

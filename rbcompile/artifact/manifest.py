@@ -20,6 +20,7 @@ from rbcompile.errors import UserError
 # blocks with int8 activations, and int4 blocks with fp32 activations.
 PRECISION_LEVELS = ("int8", "int4", "int4-fp32")
 PREFILL_LEVELS = ("fp32", "int8")   # prompts' prefills (int8: activations per token)
+ACTIVATION_FILE = "activation-max.safetensors"   # Decoder.activation_max
 
 SCHEMA_VERSION = 2
 PACKED_SCHEMA_VERSION = 3   # with packed_weights: a reader that cannot unpack refuses it by version
@@ -143,10 +144,12 @@ def validate(manifest: dict, where) -> None:
             and all(isinstance(decoder["shape"].get(k), int) and decoder["shape"][k] > 0
                     for k in ("layers", "kv_heads", "head_dim", "max_positions"))
             and len(decoder["shape"]) == 4
-            and decoder.get("activation_max") in (None, "activation-max.safetensors")):
+            and decoder.get("activation_max") in (None, ACTIVATION_FILE)):
         _fail(where, "decoder needs integer gates and a shape (layers, kv_heads, head_dim, "
-                     "max_positions), and activation_max is activation-max.safetensors or "
-                     "absent")
+                     f"max_positions), and activation_max is {ACTIVATION_FILE} or absent")
+    if (decoder or {}).get("activation_max") and ACTIVATION_FILE not in manifest["files"].get(
+            "sha256", {}):
+        _fail(where, f"{ACTIVATION_FILE} must be listed with its sha256")
     draft = (decoder or {}).get("draft")
     if draft is not None and not (isinstance(draft, dict) and (
             draft.get("budget") is None or (_number(draft["budget"]) and 0 < draft["budget"] <= 1))):

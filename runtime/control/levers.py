@@ -10,6 +10,8 @@ stops drafting in crowded batches).
 """
 from __future__ import annotations
 
+import math
+
 from rbcompile.artifact.executors import level_loss, stored_precisions
 from rbcompile.artifact.guard import QualityGuard
 
@@ -26,10 +28,10 @@ def precision_ladder(manifest: dict, guard: QualityGuard, decoding: str,
     decoding_level = levels.get(decoding)
     best = _loaded_speedup(decoding_level) if decoding_level else 1.0
     ladder = []
-    for level in sorted(levels.values(), key=lambda level: level.decoder_quality_loss):
+    losses = {name: level_loss(manifest, name, prefill) for name in levels}
+    for level in sorted(levels.values(), key=lambda level: losses[level.level] or math.inf):
         speedup = _loaded_speedup(level)
-        if level.level != decoding and guard.allows(level_loss(manifest, level.level, prefill)) \
-                and speedup > best:
+        if level.level != decoding and guard.allows(losses[level.level]) and speedup > best:
             ladder.append(level.level)
             best = speedup
     return tuple(ladder)

@@ -78,19 +78,25 @@ class QualityLoop:
     def max_quality_loss(self) -> float:
         return self.compiled.guard.max_quality_loss
 
+    @property
+    def _path(self) -> str:
+        """The plans' loss path at the levels the decoder runs now (CompiledModel.loss_path)."""
+        return self.compiled.loss_path(DECODER)
+
     def plan(self, budget: float | None) -> GuardedPlan:
         """The plan of `budget` under the guard and the live checks."""
-        plan = guard_budget(self.compiled.plans, budget, self.compiled.guard, DECODER)
+        plan = guard_budget(self.compiled.plans, budget, self.compiled.guard, self._path)
         with self._lock:
             failed, ceiling = set(self._failed), self.ceiling
         if not plan.lossy or (self._gates(plan.budget) not in failed and plan.budget <= ceiling):
             return plan
         if not self.compiled.plans:
-            lower = guard_budget(None, ceiling, self.compiled.guard, DECODER)
+            lower = guard_budget(None, ceiling, self.compiled.guard, self._path)
             return GuardedPlan(budget, lower.budget, lower.quality_loss, OBSERVED)
         for lower_budget in sorted((p.budget for p in self.compiled.plans
                                     if p.budget < plan.budget), reverse=True):
-            lower = guard_budget(self.compiled.plans, lower_budget, self.compiled.guard, DECODER)
+            lower = guard_budget(self.compiled.plans, lower_budget, self.compiled.guard,
+                                 self._path)
             if lower.budget == lower_budget and (not lower.lossy or
                                                  self._gates(lower.budget) not in failed):
                 return GuardedPlan(budget, lower.budget, lower.quality_loss, OBSERVED)

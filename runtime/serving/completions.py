@@ -337,7 +337,8 @@ class CompletionEndpoints(Service):
         controller = getattr(self.worker.engine, "controller", None)
         if controller is not None and controller.quality_loop is not None:
             return controller.quality_loop.plan(budget)
-        return guard_budget(self.compiled.plans, budget, self.compiled.guard, DECODER)
+        return guard_budget(self.compiled.plans, budget, self.compiled.guard,
+                            self.compiled.loss_path(DECODER))
 
     def _plan_report(self, asked: GuardedPlan, ran_budget: float,
                      weights_run: list[str | None] = ()) -> dict:
@@ -345,12 +346,14 @@ class CompletionEndpoints(Service):
         budget its tokens ran (a controller's too: the engine records them bounded) and that
         plan's measured quality loss; the least precise weight level they ran, the level prompts
         were prefilled at, and the loss of the two together."""
-        ran = guard_budget(self.compiled.plans, ran_budget, self.compiled.guard, DECODER)
+        ran = guard_budget(self.compiled.plans, ran_budget, self.compiled.guard,
+                           self.compiled.loss_path(DECODER))
         limit = self.compiled.guard.max_quality_loss
         weights = self.worker.engine.levels.least_precise(weights_run)
         return {**asked.as_json(), "budget": ran.budget, "quality_loss": ran.quality_loss,
                 "weights": weights.name, "prefill_weights": self.compiled.decoder.prefill,
-                "weights_quality_loss": weights.loss, "max_quality_loss": limit if limit != float("inf") else None}
+                "weights_quality_loss": weights.loss,
+                "max_quality_loss": limit if limit != float("inf") else None}
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

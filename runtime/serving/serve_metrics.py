@@ -76,7 +76,8 @@ class Metrics:
         self.batch_rows.set_function(lambda: len(engine.running))
         self.budget.set_function(lambda: engine.budget or 0.0)
         self.weights_loss.set_function(
-            lambda: engine.levels.levels[engine.weights].loss if engine.weights else 0.0)
+            lambda: (engine.levels.levels[engine.weights] if engine.weights
+                     else engine.levels.default).loss)
         self.queued.set_function(lambda: engine.queued)
         self.kv_bytes.set_function(lambda: engine.cache.nbytes)
         if engine.prefix_cache is not None:

@@ -118,8 +118,7 @@ def test_the_linears_input_ranges_are_stored_and_smooth_int8(measured):
     int8 decode level's are smoothed by them, int4's are not."""
     from safetensors.torch import load_file
 
-    from rbcompile.artifact.decoder import ACTIVATION_FILE
-    from rbcompile.artifact.manifest import read
+    from rbcompile.artifact.manifest import ACTIVATION_FILE, read
 
     folder = measured.tokenizer_dir
     assert read(folder)["decoder"]["activation_max"] == ACTIVATION_FILE
@@ -137,6 +136,53 @@ def test_the_linears_input_ranges_are_stored_and_smooth_int8(measured):
         packed = executor.array(f"{linears[0]}@{level}")
         assert packed.inverse_smooth is not None and packed.inverse_smooth.shape == (hidden,)
     assert executor.array(f"{linears[0]}@int4").inverse_smooth is None   # blocks kept as given
+
+
+def test_plans_are_unmeasured_after_an_int8_prefill(measured):
+    """A plan's losses were measured with fp32 prefills: with an int8 prefill its loss path
+    has no measurement, so the guard runs it only where unmeasured plans may run."""
+    from rbcompile.artifact.guard import DECODER, decoder_path, guard_budget
+    from rbcompile.artifact.plans import StoredPlan
+
+    plans = [StoredPlan(0.0), StoredPlan(0.25, (1,), decoder_quality_loss=0.01,
+                                         precision_losses=(("int8", 0.02),))]
+    assert plans[1].loss(decoder_path("fp32")) == 0.01
+    assert plans[1].loss(decoder_path("int8")) == 0.02
+    for level in ("fp32", "int8"):
+        assert plans[1].loss(decoder_path(level, "int8")) is None
+    measured.use_executor("onnxruntime", "fp32", prefill="int8")
+    path = measured.loss_path(DECODER)
+    assert path == decoder_path("fp32", "int8")
+    assert guard_budget(plans, 0.25, QualityGuard(1.0), path).budget == 0.0
+    assert guard_budget(plans, 0.25, QualityGuard(1.0), DECODER).budget == 0.25
+    measured.use_executor("onnxruntime", "fp32")
+    assert measured.loss_path(DECODER) == DECODER
+
+
+def test_auto_levels_are_resolved_together():
+    """--weights auto with an explicit prefill picks the fastest level allowed with that
+    prefill; both auto: the weights first, then the prefill for them; neither runs below fp32
+    where onnxruntime does not run the steps."""
+    from rbcompile.artifact.executors import StoredPrecision, resolve_levels
+
+    manifest = {"precisions": [StoredPrecision("int8", 0.03, {}, ((1, 2.0),)).to_json()],
+                "prefill_precisions": [StoredPrefill(
+                    "int8", {"fp32": 0.03, "int8": 0.06}, {}, 1.7, 512).to_json()]}
+    guard = QualityGuard(0.05)
+    assert resolve_levels(manifest, "auto", "int8", guard, True) == ("fp32", "int8")
+    assert resolve_levels(manifest, "auto", "fp32", guard, True) == ("int8", "fp32")
+    assert resolve_levels(manifest, "auto", "auto", guard, True) == ("int8", "fp32")
+    assert resolve_levels(manifest, "fp32", "auto", guard, True) == ("fp32", "int8")
+    assert resolve_levels(manifest, "auto", "auto", guard, False) == ("fp32", "fp32")
+
+
+def test_activation_maxima_unlisted_in_the_manifest_are_refused(measured):
+    from rbcompile.artifact.manifest import ACTIVATION_FILE, read
+
+    manifest = copy.deepcopy(read(measured.tokenizer_dir))
+    del manifest["files"]["sha256"][ACTIVATION_FILE]
+    with pytest.raises(UserError, match=f"{ACTIVATION_FILE} must be listed with its sha256"):
+        validate(manifest, "here")
 
 
 @pytest.mark.parametrize("entry", [

@@ -43,21 +43,18 @@ def _use_executor(model, executor: str, weights: str, guard, prefill: str = "fp3
     chosen."""
     from rbcompile.artifact.executors import (
         check_precision,
-        resolve_prefill,
-        resolve_weights,
+        onnxruntime_reason,
+        resolve_levels,
         stored_precisions,
     )
     from rbcompile.artifact.ort_threads import share_threads
 
     asked, asked_prefill = weights, prefill
-    if executor != "torch":   # the torch executor runs fp32 only
-        weights = resolve_weights(model.manifest, weights, guard)
-        prefill = resolve_prefill(model.manifest, prefill, weights, guard)
-    else:
-        weights = "fp32" if weights == "auto" else weights
-        prefill = "fp32" if prefill == "auto" else prefill
+    onnxruntime = executor == "onnxruntime" or (executor == "auto"
+                                                and onnxruntime_reason(model) is None)
+    weights, prefill = resolve_levels(model.manifest, weights, prefill, guard, onnxruntime)
     if asked != weights and weights == "fp32":
-        why = ("the torch executor runs fp32 only" if executor == "torch" else
+        why = ("the torch executor runs fp32 only" if not onnxruntime else
                "no measured level is faster within the guard")
         print(f"rbcompile: --weights auto: fp32 ({why})", file=sys.stderr)
     check_precision(model.manifest, weights, guard, prefill)

@@ -106,12 +106,12 @@ def _serve_ray(args, config) -> None:
     from pathlib import Path
 
     from rbcompile.artifact import manifest
-    from rbcompile.artifact.executors import check_precision, resolve_prefill, resolve_weights
+    from rbcompile.artifact.executors import check_precision, resolve_levels
 
     stored, guard = manifest.read(Path(args.artifact)), _guard_from(args)
-    config = replace(config, weights=resolve_weights(stored, config.weights, guard))
-    config = replace(config, prefill_weights=resolve_prefill(stored, config.prefill_weights,
-                                                             config.weights, guard))
+    levels = resolve_levels(stored, config.weights, config.prefill_weights, guard,
+                            config.executor != "torch")   # replicas load on the CPU
+    config = replace(config, weights=levels.weights, prefill_weights=levels.prefill)
     check_precision(stored, config.weights, guard, config.prefill_weights)
     serve_on_ray(args, config)
 
