@@ -84,7 +84,7 @@ def load_artifact(path, device=None, dtype=None, model_class: type = CompiledMod
     if "offramps" in manifest:
         compiled.offramps = _load_offramps(path, manifest["offramps"]).to(device)
     if decoder is not None and manifest["decoder"].get("activation_max"):
-        decoder.activation_max = _load_tensors(path / ACTIVATION_FILE, "activation maxima")
+        decoder.activation_max = _activation_maxima(path / ACTIVATION_FILE, tensors)
     return compiled
 
 
@@ -112,11 +112,20 @@ def _read_graph(path: Path, graph_name: str, source_name: str) -> tuple[dict, st
     return ir, source
 
 
-def _load_tensors(file: Path, what: str) -> dict[str, torch.Tensor]:
+def _activation_maxima(file: Path, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Decoder.activation_max: per weight, one finite value >= 0 per input channel."""
     try:
-        return load_file(str(file))
+        maxima = load_file(str(file))
     except Exception as exc:
-        raise UserError(f"{file}: cannot load {what} ({first_line(exc)})") from None
+        raise UserError(f"{file}: cannot load activation maxima ({first_line(exc)})") from None
+    for name, values in maxima.items():
+        weight = weights.get(name)
+        if (weight is None or weight.dim() != 2 or values.shape != (weight.shape[1],)
+                or not values.is_floating_point() or not torch.isfinite(values).all()
+                or (values < 0).any()):
+            raise UserError(f"{file}: the activation maxima of {name} do not fit its weight "
+                            "(one finite value >= 0 per input channel)")
+    return maxima
 
 
 def _load_offramps(path: Path, spec: dict) -> OffRamps:

@@ -185,6 +185,26 @@ def test_activation_maxima_unlisted_in_the_manifest_are_refused(measured):
         validate(manifest, "here")
 
 
+def test_activation_maxima_that_do_not_fit_their_weights_are_refused(measured, tmp_path):
+    """A tampered file re-hashed into the manifest still loads with a one-line error."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rbcompile.artifact.manifest import ACTIVATION_FILE, sha256_file
+
+    folder = shutil.copytree(measured.tokenizer_dir, tmp_path / "tampered")
+    maxima = load_file(str(folder / ACTIVATION_FILE))
+    name = next(iter(maxima))
+    save_file({**maxima, name: -maxima[name]}, str(folder / ACTIVATION_FILE))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["sha256"][ACTIVATION_FILE] = sha256_file(folder / ACTIVATION_FILE)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=f"the activation maxima of {name} do not fit"):
+        rbcompile.load(folder)
+
+
 @pytest.mark.parametrize("entry", [
     {"level": "int4", "losses": {"fp32": 0.1}, "heldout": {}},
     {"level": "int8", "losses": {}, "heldout": {}},
