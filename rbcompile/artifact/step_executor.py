@@ -238,6 +238,8 @@ class StepExecutor:
         """Binds the cache read and the cache written, unless they are where the previous step
         of this variant had them (a decode loop's cache stays put: four binds a layer spared
         per step)."""
+        if variant.fused_attention:   # GroupQueryAttention reads only the slots it is told
+            cache = written = [_whole_buffer(tensor) for tensor in cache]
         where = tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (*cache, *written))
         if self._cache_bound.get(binding) == where:
             return
@@ -247,6 +249,18 @@ class StepExecutor:
                 _bind(binding.bind_input, f"past_{kind}_{layer}", cache[index])
                 _bind(binding.bind_output, f"{stem}_{kind}_{layer}", written[index])
         self._cache_bound[binding] = where
+
+
+def _whole_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """A cache tensor [B, kv heads, S, head dim] cut along its slots from a contiguous buffer of
+    more slots (a chunked prefill's view of its prompt's K/V) as that whole buffer, which is
+    contiguous; any other tensor as it is."""
+    batch, heads, _, dim = tensor.shape
+    strides = tensor.stride()
+    if tensor.is_contiguous() or strides[3] != 1 or strides[2] != dim or strides[1] % dim \
+            or strides[0] != heads * strides[1]:
+        return tensor
+    return tensor.as_strided((batch, heads, strides[1] // dim, dim), strides)
 
 
 def _rows(input_ids, attention_mask, position_ids, cache_position, logit_positions, cache):

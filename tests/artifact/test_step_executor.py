@@ -160,6 +160,25 @@ def test_generate_through_the_executor_gives_hf_greedy_tokens(llama, speculate):
     model.use_executor("torch")
 
 
+@pytest.mark.parametrize("chunk", [16, 23])
+def test_a_chunked_prefill_through_the_executor_gives_hf_greedy_tokens(llama, chunk):
+    """A long prompt prefilled in chunks writes its K/V into views of one buffer (its slots so
+    far): the executor binds the whole buffer, as GroupQueryAttention reads only the slots it is
+    told, and the tokens are HF's."""
+    from rbcompile.runtime.engine.requests import EngineRequest
+
+    model, eager = llama
+    model.use_executor("onnxruntime")
+    prompt = torch.arange(3, 3 + 50) % model.hf_config["vocab_size"]
+    engine = model.batch_engine(max_batch=2, prefill_chunk=chunk)
+    request = engine.submit(EngineRequest(prompt.tolist(), 6))
+    while engine.step():
+        pass
+    assert engine.stats.prefill_chunks == -(-50 // chunk)
+    assert request.tokens == hf_new_tokens(eager, prompt[None], torch.ones(1, 50), 6)[0]
+    model.use_executor("torch")
+
+
 def test_low_precision_changes_little_on_the_tiny_model(llama):
     model, _ = llama
     mask = (DECODER_PROMPTS != 0).long()
