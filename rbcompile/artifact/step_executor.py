@@ -131,15 +131,19 @@ class StepExecutor:
     def _blocks(self, key: str, rows: torch.Tensor, level: str) -> PackedWeight:
         """`rows` as MatMulNBits blocks at `level`; int8 smoothed by the input's calibration
         maxima where known (int4 keeps its blocks: a GGUF source's come back exactly)."""
-        maxima = self.activation_max.get(key) if level in SMOOTHED_LEVELS else None
-        return quantize(rows, LEVELS[level],
-                        smooth=None if maxima is None else smoothing(maxima, rows, BLOCK_ALPHA))
+        smooth = self._smoothing(key, rows, BLOCK_ALPHA) if level in SMOOTHED_LEVELS else None
+        return quantize(rows, LEVELS[level], smooth=smooth)
 
     def _token_int8(self, key: str, rows: torch.Tensor) -> ChannelInt8:
         """`rows` (the weights reading one input, stacked) as an int8-token linear, smoothed
         by the input's calibration maxima where known."""
+        return quantize_channels(rows, self._smoothing(key, rows))
+
+    def _smoothing(self, key: str, rows: torch.Tensor, alpha: float | None = None
+                   ) -> torch.Tensor | None:
+        """The smoothing factors of `rows`, whose input is `key`'s (None: no maxima known)."""
         maxima = self.activation_max.get(key)
-        return quantize_channels(rows, None if maxima is None else smoothing(maxima, rows))
+        return None if maxima is None else smoothing(maxima, rows, alpha)
 
     def session(self, variant: StepVariant):
         """(onnxruntime session, its IO binding with the weights bound) of `variant`, built on
@@ -238,11 +242,11 @@ class StepExecutor:
         """Binds the cache read and the cache written, unless they are where the previous step
         of this variant had them (a decode loop's cache stays put: four binds a layer spared
         per step)."""
-        if variant.fused_attention:   # GroupQueryAttention reads only the slots it is told
-            cache = written = [_whole_buffer(tensor) for tensor in cache]
         where = tuple((t.data_ptr(), *t.shape, *t.stride()) for t in (*cache, *written))
         if self._cache_bound.get(binding) == where:
             return
+        if variant.fused_attention:   # GroupQueryAttention reads only the slots it is told
+            cache = written = [_whole_buffer(tensor) for tensor in cache]
         stem = "present" if variant.fused_attention else "new"
         for layer in range(self.shape.layers):
             for index, kind in ((2 * layer, "key"), (2 * layer + 1, "value")):
@@ -278,12 +282,18 @@ def _rows(input_ids, attention_mask, position_ids, cache_position, logit_positio
                logit_positions - first, [tensor[row:row + 1] for tensor in cache])
 
 
+def scratch_cache(rows: int, kv_heads: int, slots: int, head_dim: int,
+                  layers: int) -> list[torch.Tensor]:
+    """A zeroed K/V cache of `slots` slots per row (keys and values of each layer, in turn)."""
+    return [torch.zeros(rows, kv_heads, slots, head_dim) for _ in range(2 * layers)]
+
+
 def sequence_logits(step, input_ids: torch.Tensor, attention_mask: torch.Tensor, kv_heads: int,
                     head_dim: int, layers: int) -> torch.Tensor:
     """Logits at every position of left- or right-padded sequences [B, T], from one prefill
     step (`step`: a Decoder or StepExecutor call) into a scratch cache of T slots."""
     batch, tokens = input_ids.shape
-    cache = [torch.zeros(batch, kv_heads, tokens, head_dim) for _ in range(2 * layers)]
+    cache = scratch_cache(batch, kv_heads, tokens, head_dim, layers)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     slots = torch.arange(tokens)
     return step(input_ids, attention_mask, positions, slots, slots, cache)

@@ -54,13 +54,14 @@ def run_at_level(compiled, level: str) -> None:
 def decode_step_seconds(compiled, level: str, gates, prompt: torch.Tensor, steps: int) -> float:
     """The median time of `steps` greedy decode steps with every step's linears at `level` and
     decoder `gates` (None: all on), after prefilling `prompt` [B, P] (not counted)."""
+    from rbcompile.artifact.step_executor import scratch_cache
+
     decoder, shape = compiled.decoder, compiled.decoder.shape
     run_at_level(compiled, level)
     gates = None if gates is None else list(gates)
     rows, tokens = prompt.shape
     total = tokens + steps
-    cache = [torch.zeros(rows, shape.kv_heads, total, shape.head_dim)
-             for _ in range(2 * shape.layers)]
+    cache = scratch_cache(rows, shape.kv_heads, total, shape.head_dim, shape.layers)
     mask = torch.ones(rows, total, dtype=torch.long)
     slots = torch.arange(tokens)
     logits = decoder(prompt.contiguous(), mask[:, :tokens], slots.expand(rows, -1).contiguous(),

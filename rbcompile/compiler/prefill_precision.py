@@ -18,6 +18,7 @@ import torch
 from rbcompile.artifact import quality
 from rbcompile.artifact.executors import StoredPrecision, StoredPrefill
 from rbcompile.artifact.packed_weights import level_precision, prefill_precision
+from rbcompile.artifact.step_executor import FULL_PRECISION_FROM, scratch_cache
 from rbcompile.progress import say
 
 PREFILL_LEVEL = "int8"
@@ -56,7 +57,7 @@ def after_prefill(measure, prefill: dict | None, decode: dict | None) -> dict:
     for (ids, mask), reference in zip(measure.batches, measure.references):
         rows, tokens = ids.shape
         split = tokens // 2
-        cache = [torch.zeros(rows, kv_heads, tokens, head_dim) for _ in range(2 * layers)]
+        cache = scratch_cache(rows, kv_heads, tokens, head_dim, layers)
         positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
         slots = torch.arange(tokens)
         first = executor.run(ids[:, :split], mask[:, :split], positions[:, :split].contiguous(),
@@ -78,8 +79,6 @@ def timing_tokens(batches, limit: int) -> torch.Tensor | None:
 def prefill_speedup(compiled, batches, prefill: dict) -> tuple[int, float | None]:
     """(prompt tokens, fp32 prefill time over `prefill`'s: median of TIMING_ROUNDS, the two
     interleaved, each warmed up first); (0, None) where the held-out text is too short."""
-    from rbcompile.artifact.step_executor import FULL_PRECISION_FROM
-
     executor, shape = compiled.decoder.step_executor, compiled.decoder.shape
     prompt = timing_tokens(batches, min(TIMING_TOKENS, compiled.max_positions))
     if prompt is None:
@@ -102,8 +101,7 @@ def _time_rounds(executor, shape, prompt: torch.Tensor, prefill: dict, times: di
     for round_ in range(TIMING_ROUNDS + 1):
         for name, precision in (("fp32", None), ("low", prefill)):
             executor.prefill_precision = precision
-            cache = [torch.zeros(1, shape.kv_heads, tokens, shape.head_dim)
-                     for _ in range(2 * shape.layers)]
+            cache = scratch_cache(1, shape.kv_heads, tokens, shape.head_dim, shape.layers)
             slots = torch.arange(tokens)
             start = time.perf_counter()
             executor(prompt, torch.ones_like(prompt), slots[None], slots,

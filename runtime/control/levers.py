@@ -29,7 +29,8 @@ def precision_ladder(manifest: dict, guard: QualityGuard, decoding: str,
     best = _loaded_speedup(decoding_level) if decoding_level else 1.0
     ladder = []
     losses = {name: level_loss(manifest, name, prefill) for name in levels}
-    for level in sorted(levels.values(), key=lambda level: losses[level.level] or math.inf):
+    unmeasured_last = {name: math.inf if loss is None else loss for name, loss in losses.items()}
+    for level in sorted(levels.values(), key=lambda level: unmeasured_last[level.level]):
         speedup = _loaded_speedup(level)
         if level.level != decoding and guard.allows(losses[level.level]) and speedup > best:
             ladder.append(level.level)

@@ -32,6 +32,13 @@ def test_the_ladder_keeps_levels_the_guard_allows_that_pay_for_their_loss():
     assert precision_ladder({}, QualityGuard(1.0), "fp32") == ()
 
 
+def test_a_lossless_level_is_the_ladders_first_rung_where_it_pays():
+    manifest = _manifest(1.6)
+    manifest["precisions"][0]["speedups"]["8"] = 1.2   # int4-fp32 faster with full batches
+    assert precision_ladder(manifest, QualityGuard(0.06), "fp32") == ("int4-fp32", "int8",
+                                                                      "int4")
+
+
 @pytest.mark.parametrize("output, weights, budget", [
     (0.0, None, 0.0), (0.4, None, 0.0), (0.6, "int8", 0.0), (1.6, "int4", 0.0),
     (2.3, "int4", 0.3), (2.5, "int4", 0.5)])

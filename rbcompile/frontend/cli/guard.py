@@ -38,7 +38,7 @@ def _unmeasured_plans(model) -> int:
 
 def _use_executor(model, executor: str, weights: str, guard, prefill: str = "fp32") -> str:
     """Run `model`'s decode steps with `executor` at `weights` (--weights; "auto" resolved
-    by executors.resolve_weights), prompts prefilled at `prefill` (--prefill-weights), which
+    by executors.resolve_levels), prompts prefilled at `prefill` (--prefill-weights), which
     must be within `guard` together; one line on stderr for each that is not fp32 or was
     chosen."""
     from rbcompile.artifact.executors import (
